@@ -1,0 +1,313 @@
+"""A decoder-only transformer for fast inference: one `Transformer` for the Llama family
+(Llama 2/3, Mistral, SmolLM2, Qwen2). Every variation is a field of `ModelArgs`, read from the
+checkpoint's config.json, never guessed from names.
+
+The KV cache is preallocated to (max_batch_size, n_kv_heads, max_seq_length, head_dim) and
+written in place, so one decode step has static shapes and compiles to a single graph.
+Batches of prompts of different lengths are left-padded: all rows share the cache slots
+(`input_pos`), each row's RoPE positions are shifted by its padding (`pad`), and the mask hides
+each row's padding slots.
+"""
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class ConfigError(ValueError):
+    """A config.json that this engine cannot run; the message is meant for the user."""
+
+
+@dataclass
+class ModelArgs:
+    architecture: str = "llama"  # family name, kept so a checkpoint says what it is
+    vocab_size: int = 32000
+    dim: int = 4096  # residual stream width
+    n_layers: int = 32
+    n_heads: int = 32  # query heads
+    n_kv_heads: Optional[int] = None  # < n_heads: grouped-query attention; 1: multi-query
+    head_dim: Optional[int] = None  # defaults to dim // n_heads
+    intermediate_size: int = 11008  # feed-forward hidden width
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style RoPE scaling: {"rope_type": linear|dynamic|llama3|yarn, "factor": ..., ...}
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 4096  # trained context; dynamic NTK and YaRN scale from it
+    attention_bias: bool = False  # q/k/v projections carry biases (Qwen2)
+    tie_word_embeddings: bool = False  # output head reuses tok_embeddings (no output.weight)
+    sliding_window: Optional[int] = None  # Mistral-style local attention over this many keys
+    # Per layer "full_attention" | "sliding_attention"; None: every layer slides if sliding_window
+    layer_types: Optional[list] = None
+    hidden_act: str = "silu"  # SwiGLU gate activation
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list = field(default_factory=list)  # generation stops at any of these
+    quantization: Optional[dict] = None  # scheme written by quantize.py; None for float weights
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"unsupported architecture {self.architecture!r} "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"unsupported activation {self.hidden_act!r}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"unsupported RoPE scaling {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            self.layer_types = [kind] * self.n_layers
+        if len(self.layer_types) != self.n_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown config fields: {', '.join(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path) -> "ModelArgs":
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path} not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} does not hold a JSON object")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class KVCache(nn.Module):
+    """Keys and values of every position so far, written in place at `input_pos`."""
+
+    def __init__(self, max_batch_size, n_kv_heads, max_seq_length, head_dim, dtype, device=None):
+        super().__init__()
+        shape = (max_batch_size, n_kv_heads, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
+        # k, v: (B, n_kv_heads, T, head_dim); a batch smaller than the cache uses its first rows
+        B = k.shape[0]
+        self.k_cache[:B].index_copy_(2, input_pos, k)
+        self.v_cache[:B].index_copy_(2, input_pos, v)
+        return self.k_cache[:B], self.v_cache[:B]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalize in float32 so bf16/fp16 activations do not lose the variance
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[Tensor, float]:
+    """Inverse frequencies (head_dim/2,) and the cos/sin scale, for every static RoPE variant.
+    Dynamic NTK depends on the sequence length and is finished in `Transformer.rope`."""
+    d, base = args.head_dim, args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = args.rope_scaling or {}
+    kind = s.get("rope_type", "default")
+    if kind == "linear":  # position interpolation (Chen et al. 2023): positions / factor
+        return inv_freq / s["factor"], 1.0
+    if kind == "llama3":  # Llama 3.1: scale long wavelengths, keep short ones, blend between
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_ctx = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_ctx / lo, inv_freq / factor, blended)
+        return torch.where(wavelen < old_ctx / hi, inv_freq, out), 1.0
+    if kind == "yarn":  # YaRN (Peng et al. 2023), eq. 15-20: ramp between interpolation and extrapolation
+        factor = s["factor"]
+        orig = s.get("original_max_position_embeddings") or args.max_position_embeddings
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attn_factor = s.get("attention_factor")
+        if attn_factor is None:
+            if s.get("mscale") and s.get("mscale_all_dim"):
+                attn_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+            else:
+                attn_factor = mscale(factor)
+
+        def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times in orig
+            return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+        if s.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp  # 1 for high-frequency dims, which keep their original frequency
+        return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attn_factor)
+    return inv_freq, 1.0  # default and dynamic
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: (B, n_heads, T, head_dim), cos/sin: (B, 1, T, head_dim/2); HF "rotate_half" layout
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, sliding: bool):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.sliding = sliding
+        qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.attention_bias)  # q, k, v fused: one matmul
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
+        q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
+        v = v.view(B, T, nkv, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv_heads, S, head_dim)
+        # Grouped-query attention without repeating K/V: fold each KV head's query group into
+        # the query length, so one SDPA call reads every cached key once.
+        group = nh // nkv
+        q = q.reshape(B, nkv, group * T, hd)  # (B, n_kv_heads, group*T, head_dim)
+        mask = mask.unsqueeze(2).expand(B, 1, group, T, mask.shape[-1]).reshape(B, 1, group * T, -1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+        self.act = ACTIVATIONS[args.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.attention = Attention(args, sliding=layer_type == "sliding_attention")
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, masks, input_pos):
+        mask = masks[1] if self.attention.sliding else masks[0]
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, t) for t in args.layer_types)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        inv_freq, self.rope_scale = rope_inv_freq(args)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.max_batch_size = self.max_seq_length = -1
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
+        """Preallocate every layer's KV cache; call again to resize (the old contents are lost)."""
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        device = device or self.tok_embeddings.weight.device
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        for layer in self.layers:
+            a = layer.attention
+            a.kv_cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim, dtype, device)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape (B, 1, T, head_dim/2) for RoPE positions (B, T)."""
+        inv_freq = self.inv_freq
+        s = self.args.rope_scaling or {}
+        if s.get("rope_type") == "dynamic":
+            # Dynamic NTK: stretch the base once the sequence outgrows the trained context.
+            d, orig = self.args.head_dim, self.args.max_position_embeddings
+            seq_len = (positions.max() + 1).float().clamp(min=orig)
+            base = self.args.rope_theta * ((s["factor"] * seq_len / orig) - (s["factor"] - 1)) ** (d / (d - 2))
+            exponent = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d
+            inv_freq = 1.0 / base ** exponent
+        angles = positions.unsqueeze(-1).float() * inv_freq  # (B, T, head_dim/2)
+        cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def masks(self, input_pos: Tensor, pad: Tensor) -> tuple[Tensor, Tensor]:
+        """Boolean (B, 1, T, S) masks, True where a query may attend: (global, sliding window)."""
+        q = input_pos.view(1, -1, 1)  # (1, T, 1) cache slot of each query
+        k = torch.arange(self.max_seq_length, device=input_pos.device).view(1, 1, -1)  # (1, 1, S)
+        causal = (k <= q) & (k >= pad.view(-1, 1, 1))  # (B, T, S): not the future, not padding
+        causal = causal | (k == q)  # a padding query sees itself, so its softmax has no empty row
+        window = self.args.sliding_window
+        local = causal & (q - k < window) if window else causal
+        return causal.unsqueeze(1), local.unsqueeze(1)
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, pad: Optional[Tensor] = None,
+                last_logits_only: bool = False) -> Tensor:
+        """tokens: (B, T) ids written at cache slots input_pos (T,); pad: (B,) left-padding per
+        row. Returns float logits (B, T, vocab), or (B, 1, vocab) for the last position only."""
+        assert self.max_seq_length > 0, "call setup_caches() first"
+        B = tokens.shape[0]
+        if pad is None:
+            pad = torch.zeros(B, dtype=torch.long, device=tokens.device)
+        positions = input_pos.view(1, -1) - pad.view(-1, 1)  # (B, T) each row counts from its first token
+        cos, sin = self.rope(positions)
+        masks = self.masks(input_pos, pad)
+        x = self.tok_embeddings(tokens)  # (B, T, dim)
+        for layer in self.layers:
+            x = layer(x, cos, sin, masks, input_pos)
+        if last_logits_only:
+            x = x[:, -1:]  # prefill needs only the next token's logits: skip the vocab matmul for the rest
+        return self.output(self.norm(x)).float()
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of weights read per decode step (tied weights counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "cache" not in n]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
