@@ -246,8 +246,6 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        inv_freq, self.rope_scale = rope_inv_freq(args)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.max_batch_size = self.max_seq_length = -1
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
@@ -255,6 +253,9 @@ class Transformer(nn.Module):
         dtype = dtype or self.tok_embeddings.weight.dtype
         device = device or self.tok_embeddings.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        # RoPE tables live with the caches, so a model built on the meta device needs no re-init
+        inv_freq, self.rope_scale = rope_inv_freq(self.args)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         for layer in self.layers:
             a = layer.attention
             a.kv_cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim, dtype, device)
@@ -304,10 +305,11 @@ class Transformer(nn.Module):
 
 
 def param_bytes(model: nn.Module) -> int:
-    """Bytes of weights read per decode step (tied weights counted once)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "cache" not in n]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+    """Bytes of weights read per decode step: every parameter and weight buffer once, except an
+    untied embedding table, of which a step reads only one row per token."""
+    skip = {"inv_freq"}
+    if not getattr(model, "args", None) or not model.args.tie_word_embeddings:
+        skip.add("tok_embeddings.weight")
+    tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
+    tensors.update((n, b) for n, b in model.named_buffers() if "cache" not in n)
+    return sum(t.numel() * t.element_size() for n, t in tensors.items() if n not in skip)

@@ -1,0 +1,42 @@
+# make demo: set up .venv, prepare the default model, chat with it.
+# make test: set up .venv with the test dependencies, run the default test suite.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL := checkpoints/smollm2-135m
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: demo test test-slow bench setup setup-test clean
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+$(VENV)/.installed: requirements.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, so that nothing below resolves it to a multi-GB CUDA build
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
+	$(BIN)/pip install -q -r requirements-test.txt
+	touch $@
+
+$(MODEL)/config.json: $(VENV)/.installed
+	$(BIN)/python scripts/prepare.py smollm2-135m
+
+demo: $(MODEL)/config.json
+	$(BIN)/python generate.py --checkpoint $(MODEL) --chat --prompt "$(PROMPT)" --max_new_tokens 200
+
+test: $(VENV)/.installed-test $(MODEL)/config.json
+	$(BIN)/python -m pytest -q
+
+test-slow: $(VENV)/.installed-test $(MODEL)/config.json
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(VENV)/.installed-test $(MODEL)/config.json
+	$(BIN)/python scripts/bench.py
+
+clean:
+	rm -rf $(VENV) checkpoints
