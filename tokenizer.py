@@ -1,0 +1,374 @@
+"""Tokenizers for checkpoint directories: HF `tokenizer.json` or SentencePiece `tokenizer.model`.
+
+Also rebuilds a GGUF file's embedded tokenizer as real tokenizer files (`write_tokenizer_from_gguf`),
+so a checkpoint converted from GGUF is self-describing. Runtime dependencies: `tokenizers`,
+`sentencepiece` (+ `protobuf` for SentencePiece models), `jinja2` for chat templates.
+"""
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+
+class TokenizerError(ValueError):
+    """Missing or invalid tokenizer files; the message is meant for the user."""
+
+
+def _token_content(token) -> Optional[str]:
+    # tokenizer_config.json writes special tokens either as strings or as {"content": ...} dicts
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+class Tokenizer:
+    def __init__(self, checkpoint_dir):
+        checkpoint_dir = Path(checkpoint_dir)
+        config_path = checkpoint_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+        if (checkpoint_dir / "tokenizer.json").is_file():
+            self._load_hf(checkpoint_dir / "tokenizer.json")
+        elif (checkpoint_dir / "tokenizer.model").is_file():
+            self._load_sentencepiece(checkpoint_dir / "tokenizer.model")
+        else:
+            raise TokenizerError(
+                f"no tokenizer found in {checkpoint_dir}: expected tokenizer.json (Hugging Face tokenizers) "
+                "or tokenizer.model (SentencePiece). Copy them from the original model, or convert a GGUF "
+                "file, which rebuilds them from its embedded tokenizer."
+            )
+
+        bos = _token_content(config.get("bos_token"))
+        eos = _token_content(config.get("eos_token"))
+        self.bos_id = self._token_id(bos) if bos else self._default_bos_id
+        eos_id = self._token_id(eos) if eos else self._default_eos_id
+        self.eos_ids = [eos_id] if eos_id is not None else []
+        self.add_bos = bool(config.get("add_bos_token", self._default_add_bos)) and self.bos_id is not None
+        self.bos_token = bos if bos else (self._id_to_token(self.bos_id) if self.bos_id is not None else None)
+        self.eos_token = eos if eos else (self._id_to_token(eos_id) if eos_id is not None else None)
+
+        self.chat_template = None
+        template_path = checkpoint_dir / "chat_template.jinja"
+        if template_path.is_file():
+            self.chat_template = template_path.read_text()
+        elif config.get("chat_template"):
+            template = config["chat_template"]
+            if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+                template = {t["name"]: t["template"] for t in template}.get("default")
+            self.chat_template = template
+
+    # --- backends -------------------------------------------------------------------------------
+
+    def _load_hf(self, path):
+        import tokenizers
+
+        try:
+            self._hf = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise TokenizerError(f"cannot load {path}: {e}") from e
+        self._sp = None
+        self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+        self._default_bos_id = self._default_eos_id = None
+        # tokenizer.json has no add_bos flag of its own: it adds BOS only through its post-processor
+        plain = self._hf.encode("a", add_special_tokens=False).ids
+        with_special = self._hf.encode("a", add_special_tokens=True).ids
+        added_in_front = with_special[: len(with_special) - len(plain)]
+        self._default_add_bos = bool(added_in_front)
+        if added_in_front:
+            self._default_bos_id = added_in_front[0]
+
+    def _load_sentencepiece(self, path):
+        import sentencepiece as spm
+
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(path))
+            proto = _parse_sentencepiece_proto(self._sp.serialized_model_proto())
+        except TokenizerError:
+            raise
+        except Exception as e:
+            raise TokenizerError(f"cannot load SentencePiece model {path}: {e}") from e
+        self._hf = None
+        self.vocab_size = self._sp.get_piece_size()
+        self._default_bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self._default_eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
+        self._default_add_bos = True  # llama-style SentencePiece models start with BOS
+        self._dummy_prefix = proto.normalizer_spec.add_dummy_prefix
+        self._sp_no_prefix = self._sp
+        if self._dummy_prefix:
+            # text after a special token gets no dummy prefix (as transformers' Metaspace "first" scheme)
+            proto.normalizer_spec.add_dummy_prefix = False
+            self._sp_no_prefix = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        # control and user-defined pieces written as text become their ids
+        self._special_pieces = {p.piece: i for i, p in enumerate(proto.pieces) if p.type in (3, 4) and p.piece}
+        self._special_ids = {i for i, p in enumerate(proto.pieces) if p.type in (2, 3, 4)}
+        pattern = "|".join(re.escape(p) for p in sorted(self._special_pieces, key=len, reverse=True))
+        self._special_re = re.compile(f"({pattern})") if pattern else None
+
+    def _token_id(self, token: str) -> int:
+        token_id = self._hf.token_to_id(token) if self._hf else self._sp.piece_to_id(token)
+        if token_id is None or (self._sp and self._sp.id_to_piece(token_id) != token):
+            raise TokenizerError(f"special token {token!r} from tokenizer_config.json is not in the vocabulary")
+        return token_id
+
+    def _id_to_token(self, token_id: int) -> str:
+        return self._hf.id_to_token(token_id) if self._hf else self._sp.id_to_piece(token_id)
+
+    # --- encode / decode ------------------------------------------------------------------------
+
+    def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
+        add_bos = self.add_bos if add_bos is None else add_bos
+        if self._hf:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._encode_sentencepiece(text)
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def _encode_sentencepiece(self, text: str) -> list[int]:
+        parts = self._special_re.split(text) if self._special_re else [text]
+        ids = []
+        for i, part in enumerate(parts):
+            if i % 2 == 1:  # odd parts are the matched special tokens
+                ids.append(self._special_pieces[part])
+            elif part:
+                ids.extend((self._sp if i == 0 else self._sp_no_prefix).encode(part))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        ids = [int(i) for i in ids]
+        if self._hf:
+            return self._hf.decode(ids, skip_special_tokens=False)
+        # Decode piece by piece so control/user-defined tokens show as their text, as in tokenizer.json
+        # decoders (sentencepiece itself would drop control tokens).
+        out = bytearray()
+        for i in ids:
+            piece = self._sp.id_to_piece(i)
+            if self._sp.is_byte(i):
+                out.append(int(piece[3:5], 16))  # "<0xAB>"
+            else:
+                out += (piece if i in self._special_ids else piece.replace("\u2581", " ")).encode()
+        text = out.decode("utf-8", errors="replace")
+        if self._dummy_prefix and text.startswith(" "):
+            text = text[1:]  # the dummy prefix that encode added
+        return text
+
+    # --- chat -----------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError(
+                "this tokenizer has no chat template (no chat_template.jinja and no chat_template in "
+                "tokenizer_config.json): it is probably a base model; prompt it with plain text instead"
+            )
+        import jinja2
+
+        try:
+            template = _compile_chat_template(self.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                tools=None,
+                documents=None,
+            )
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"chat template failed: {e}") from e
+
+
+def _compile_chat_template(source: str):
+    # Same environment as transformers' apply_chat_template, so rendered prompts are identical.
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which chat templates do not expect
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class StreamDecoder:
+    """Incremental detokenization: the pushed pieces concatenate to exactly tokenizer.decode(all ids).
+
+    Each step decodes a short window, ids[prefix_offset:], and prints what it adds to the already
+    printed part ids[prefix_offset:read_offset]; decoding the same leading tokens keeps
+    whitespace handling (SentencePiece's dummy prefix) identical in both, and a trailing U+FFFD
+    means an incomplete UTF-8 character (byte-fallback / byte-level tokens), so it is held back.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: already printed context
+        self.read_offset = 0  # ids before this are printed
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        printed = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(text) <= len(printed) or text.endswith("\ufffd") or not text.startswith(printed):
+            return ""
+        # the tokens just printed become the next window's context (empty only at the very start)
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return text[len(printed) :]
+
+    def flush(self) -> str:
+        printed = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(printed) :]
+
+
+# --- GGUF -> tokenizer files ------------------------------------------------------------------
+
+# tokenizer.ggml.pre -> how text is split before byte-level BPE
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    if pre == "smollm":  # SmolLM2's tokenizer.json: every digit alone, then the GPT-2 regex
+        return None, pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre == "qwen2":  # Qwen2's tokenizer.json (which also NFC-normalizes)
+        return normalizers.NFC(), pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre in ("gpt-2", "default"):
+        return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    raise TokenizerError(
+        f"GGUF byte-level BPE tokenizer with pre-tokenizer {pre!r} is not supported "
+        "(supported: smollm, qwen2, gpt-2)"
+    )
+
+
+def _gguf_field(reader, name, default=None):
+    field = reader.fields.get(name)
+    return field.contents() if field is not None else default
+
+
+def write_tokenizer_from_gguf(reader, out_dir) -> None:
+    """Write the tokenizer embedded in a GGUF file (gguf.GGUFReader) as tokenizer files in out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kind = _gguf_field(reader, "tokenizer.ggml.model")
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise TokenizerError("the GGUF file has no embedded tokenizer (no tokenizer.ggml.model / tokens)")
+    token_types = _gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+
+    if kind == "gpt2":
+        _write_byte_level_bpe(reader, tokens, token_types, out_dir)
+    elif kind == "llama":
+        _write_sentencepiece(reader, tokens, token_types, out_dir)
+    else:
+        raise TokenizerError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
+
+    config = {}
+    for key, name in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id")):
+        token_id = _gguf_field(reader, f"tokenizer.ggml.{name}")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            config[key] = tokens[token_id]
+    add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
+    config["add_bos_token"] = bool(add_bos) if add_bos is not None else kind == "llama"
+    template = _gguf_field(reader, "tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_byte_level_bpe(reader, tokens, token_types, out_dir):
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
+
+    merges = _gguf_field(reader, "tokenizer.ggml.merges")
+    if merges is None:
+        raise TokenizerError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
+    normalizer, pre_tokenizer = _byte_level_pre_tokenizer(_gguf_field(reader, "tokenizer.ggml.pre", "default"))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.ByteLevel()
+    # control (3) and user-defined (4) tokens are matched whole in the text, before BPE
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=(t == 3), normalized=False)
+            for i, t in enumerate(token_types)
+            if t in (3, 4)
+        ]
+    )
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+
+def _parse_sentencepiece_proto(serialized: bytes):
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as e:
+        raise TokenizerError(f"SentencePiece models need the protobuf package (pip install protobuf): {e}") from e
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(serialized)
+    return proto
+
+
+def _write_sentencepiece(reader, tokens, token_types, out_dir):
+    import sentencepiece as spm
+
+    proto = _parse_sentencepiece_proto(b"")
+    scores = _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    # GGUF token types use SentencePiece's numbering: 1 normal, 2 unknown, 3 control, 4 user-defined,
+    # 5 unused, 6 byte
+    for token, score, token_type in zip(tokens, scores, token_types):
+        piece = proto.pieces.add()
+        piece.piece, piece.score, piece.type = token, float(score), int(token_type)
+
+    trainer = proto.trainer_spec
+    trainer.model_type = 2  # BPE: llama.cpp's SPM tokenizer merges by piece score, as SentencePiece BPE does
+    trainer.vocab_size = len(tokens)
+    trainer.byte_fallback = 6 in token_types
+    for name, default in (("unk", 0), ("bos", 1), ("eos", 2), ("pad", -1)):
+        token_id = _gguf_field(reader, f"tokenizer.ggml.{'padding' if name == 'pad' else name}_token_id")
+        setattr(trainer, f"{name}_id", int(token_id) if token_id is not None else default)
+    if trainer.unk_id >= 0 and token_types[trainer.unk_id] != 2:
+        trainer.unk_id = next((i for i, t in enumerate(token_types) if t == 2), 0)
+    for name in ("unk", "bos", "eos", "pad"):
+        token_id = getattr(trainer, f"{name}_id")
+        if 0 <= token_id < len(tokens):
+            setattr(trainer, f"{name}_piece", tokens[token_id])
+
+    # Llama / Gemma normalization: none (identity), whitespace escaped as U+2581
+    normalizer = proto.normalizer_spec
+    normalizer.name = "identity"
+    normalizer.add_dummy_prefix = bool(_gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    normalizer.remove_extra_whitespaces = False
+    normalizer.escape_whitespaces = True
+
+    serialized = proto.SerializeToString()
+    try:
+        spm.SentencePieceProcessor(model_proto=serialized)  # fail here, not when the model is used
+    except Exception as e:
+        raise TokenizerError(f"the GGUF's SentencePiece tokenizer could not be rebuilt: {e}") from e
+    (out_dir / "tokenizer.model").write_bytes(serialized)
