@@ -243,7 +243,7 @@ class Chat:
         self.engine, self.tokenizer, self.reuse_cache = engine, tokenizer, reuse_cache
         self.messages = [{"role": "system", "content": system}] if system else []
         self.cached: list = []  # token ids whose keys/values are in the cache, in order
-        self.last_prefill_tokens = 0
+        self.last_prompt_tokens = self.last_prefill_tokens = 0
 
     def reply(self, text: str, max_new_tokens: int, s: Sampling, on_tokens=None) -> tuple:
         self.messages.append({"role": "user", "content": text})
@@ -253,7 +253,7 @@ class Chat:
         if room < 2:
             raise UserError(f"the conversation ({len(ids)} tokens) fills the KV cache; "
                             "start again with a larger --max_seq_length")
-        self.last_prefill_tokens = len(ids) - keep
+        self.last_prompt_tokens, self.last_prefill_tokens = len(ids), len(ids) - keep
         (out,), stats = self.engine.generate([ids[keep:]], min(max_new_tokens, room), s,
                                              self.tokenizer.eos_ids, start_pos=keep, on_tokens=on_tokens)
         self.cached = (ids + out)[:-1]  # the last sampled token was never fed through the model
@@ -371,6 +371,28 @@ def write_json(path: Path, obj):
     os.replace(tmp, path)  # never leave a half-written file behind
 
 
+def encode_prompts(tok, a) -> list:
+    from tokenizer import TokenizerError
+    texts = a.prompt or ["Hello, my name is"]
+    if a.chat:
+        system = [{"role": "system", "content": a.system}] if a.system else []
+        try:
+            texts = [tok.apply_chat_template(system + [{"role": "user", "content": t}]) for t in texts]
+        except TokenizerError as e:
+            raise UserError(str(e)) from None
+        prompts = [tok.encode(t, add_bos=False) for t in texts]  # the template writes any BOS itself
+    else:
+        prompts = [tok.encode(t) for t in texts]
+    prompts = prompts * a.batch_size if len(prompts) == 1 else prompts
+    longest = max(len(p) for p in prompts)
+    if a.max_seq_length is not None and longest >= a.max_seq_length:
+        raise UserError(f"the prompt has {longest} tokens, more than --max_seq_length {a.max_seq_length} allows")
+    if a.max_seq_length is not None and longest + a.max_new_tokens > a.max_seq_length:
+        raise UserError(f"prompt ({longest} tokens) + --max_new_tokens ({a.max_new_tokens}) exceeds "
+                        f"--max_seq_length {a.max_seq_length}")
+    return prompts
+
+
 def run_interactive(engine, tok, a, s):
     chat = Chat(engine, tok, system=a.system)
     log("interactive chat: type a message, an empty line or Ctrl-D ends")
@@ -385,7 +407,7 @@ def run_interactive(engine, tok, a, s):
         _, stats = chat.reply(line.rstrip("\n"), a.max_new_tokens, s, on_tokens=stream)
         stream.close()
         m = metrics(stats, engine.model, engine.device, 1)
-        m["prefilled_tokens"] = chat.last_prefill_tokens
+        m["conversation_tokens"], m["prefilled_tokens"] = chat.last_prompt_tokens, chat.last_prefill_tokens
         print_metrics(m)
         all_metrics.append(m)
     return all_metrics
@@ -405,39 +427,22 @@ def main(argv=None):
             raise UserError(f"checkpoint directory {a.checkpoint} does not exist "
                             "(prepare one with scripts/prepare.py)") from None
         raise UserError(str(e)) from None
+    s = Sampling(a.temperature, a.top_k, a.top_p)
+    prompts = None if a.interactive else encode_prompts(tok, a)  # check lengths before loading weights
     t0 = time.perf_counter()
     model = load_model(a.checkpoint, device, dtype)
     log(f"loaded {a.checkpoint} ({model.args.architecture}, {param_bytes(model) / 1e6:.0f} MB of weights "
         f"in {a.dtype} on {device}) in {time.perf_counter() - t0:.1f} s")
     stop_ids = [] if a.ignore_eos else sorted(set(model.args.eos_token_ids) | set(tok.eos_ids))
-    s = Sampling(a.temperature, a.top_k, a.top_p)
     engine = Engine(model, compile=a.compile, compile_prefill=a.compile_prefill)
 
     if a.interactive:
         engine.setup(1, a.max_seq_length or 4096)
         all_metrics = run_interactive(engine, tok, a, s)
     else:
-        texts = a.prompt or ["Hello, my name is"]
-        if a.chat:
-            msgs = lambda t: ([{"role": "system", "content": a.system}] if a.system else []) + \
-                [{"role": "user", "content": t}]
-            try:
-                texts = [tok.apply_chat_template(msgs(t)) for t in texts]
-            except TokenizerError as e:
-                raise UserError(str(e)) from None
-            prompts = [tok.encode(t, add_bos=False) for t in texts]
-        else:
-            prompts = [tok.encode(t) for t in texts]
-        prompts = prompts * a.batch_size if len(prompts) == 1 else prompts
         longest = max(len(p) for p in prompts)
-        needed = longest + a.max_new_tokens
-        if a.max_seq_length is not None and longest >= a.max_seq_length:
-            raise UserError(f"the prompt has {longest} tokens, more than --max_seq_length {a.max_seq_length} allows")
-        if a.max_seq_length is not None and needed > a.max_seq_length:
-            raise UserError(f"prompt ({longest} tokens) + --max_new_tokens ({a.max_new_tokens}) exceeds "
-                            f"--max_seq_length {a.max_seq_length}")
         # round up so that nearby lengths share one compiled graph
-        engine.setup(len(prompts), a.max_seq_length or -(-needed // 256) * 256)
+        engine.setup(len(prompts), a.max_seq_length or -(-(longest + a.max_new_tokens) // 256) * 256)
         all_metrics = []
         for i in range(a.num_samples):
             profiling = a.profile is not None and i == a.num_samples - 1

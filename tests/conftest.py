@@ -1,0 +1,59 @@
+"""Fixtures shared by the test files: the real default model and small random checkpoints."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = ROOT / "checkpoints" / "smollm2-135m"
+
+
+def run_script(*args, stdin=None, timeout=900, env=None) -> subprocess.CompletedProcess:
+    """Run one of the project's scripts the way a user would."""
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct in our format (`make test` prepares it; prepared here if missing)."""
+    if not (SMOLLM2 / "model.safetensors").exists():
+        r = run_script(ROOT / "scripts" / "prepare.py", "smollm2-135m")
+        assert r.returncode == 0, r.stderr
+    return SMOLLM2
+
+
+def random_model(seed=0, std=0.3, **overrides):
+    """A tiny random Transformer whose weights are large enough that greedy decoding is not degenerate."""
+    from model import ModelArgs, Transformer
+    cfg = dict(vocab_size=256, dim=64, intermediate_size=128, n_layers=2, n_heads=4, n_kv_heads=2)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(**cfg))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, std)
+    return model.eval()
+
+
+def save_checkpoint(model, out_dir: Path, tokenizer_from: Path = None) -> Path:
+    """Write `model` in our checkpoint format, with tokenizer files copied from another checkpoint."""
+    import json
+    from safetensors.torch import save_file
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(model.args.to_dict(), indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_word_embeddings:
+        state.pop("output.weight")
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    if tokenizer_from:
+        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja"):
+            if (tokenizer_from / f).exists():
+                shutil.copy(tokenizer_from / f, out_dir / f)
+    return out_dir

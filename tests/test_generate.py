@@ -1,0 +1,250 @@
+"""generate.py: batching, compile, chat cache reuse, sampling, the golden output, the CLI and its errors."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, random_model, run_script, save_checkpoint
+from generate import Chat, Engine, Sampling, load_model, logits_to_probs, sample
+
+GOLDEN = Path(__file__).parent / "golden" / "smollm2-135m.json"
+
+
+def greedy(engine, prompts, n, max_seq_length=96):
+    engine.setup(len(prompts), max_seq_length)
+    outs, _ = engine.generate(prompts, n, Sampling())
+    return outs
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_batched_generation_matches_per_prompt(window):
+    # different prompt lengths in one left-padded batch; a window smaller than every prompt
+    model = random_model(sliding_window=window, n_kv_heads=1)
+    engine = Engine(model)
+    prompts = [[5, 9, 200], list(range(20, 31)), list(range(100, 117))]
+    batched = greedy(engine, prompts, 24)
+    alone = [greedy(engine, [p], 24)[0] for p in prompts]
+    assert batched == alone
+    assert len({tuple(o) for o in alone}) == 3  # the rows really differ
+
+
+def test_stop_tokens_end_each_row_independently():
+    engine = Engine(random_model())
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
+    free = greedy(engine, prompts, 16)
+    stop = free[0][4]  # a token row 0 produces mid-way
+    engine.setup(2, 96)
+    outs, _ = engine.generate(prompts, 16, Sampling(), stop_ids=[stop])
+    for row, out in zip(free, outs):
+        cut = row.index(stop) + 1 if stop in row else len(row)
+        assert out == row[:cut]
+
+
+def test_compiled_decode_matches_eager():
+    model = random_model(n_layers=2)
+    prompt = [list(range(3, 19))]
+    eager = greedy(Engine(model), prompt, 32)
+    compiled = greedy(Engine(model, compile=True), prompt, 32)
+    assert compiled == eager
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    p = logits_to_probs(logits, Sampling(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    # top_p=0.7: 0.5 alone is short of 0.7, 0.5+0.25 reaches it -> keep two tokens
+    p = logits_to_probs(logits, Sampling(temperature=1.0, top_p=0.7))
+    assert torch.allclose(p, torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    p = logits_to_probs(logits, Sampling(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([[0.5, 0.25, 0.15, 0]]) / 0.9)
+
+
+def test_sampling_draws_from_the_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
+    logits = torch.log(probs).expand(20000, 4)
+    ids = sample(logits, Sampling(temperature=1.0)).view(-1)
+    freq = torch.bincount(ids, minlength=4).float() / ids.numel()
+    assert (freq - probs).abs().sum() / 2 < 0.015  # total variation
+    assert freq[3] == 0
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    from tokenizer import Tokenizer
+    return load_model(smollm2_dir), Tokenizer(smollm2_dir)
+
+
+def golden_outputs(model, tok, cases):
+    engine = Engine(model)
+    results = []
+    for case in cases:
+        text = tok.apply_chat_template([{"role": "user", "content": case["prompt"]}]) if case["chat"] \
+            else case["prompt"]
+        ids = tok.encode(text, add_bos=False if case["chat"] else None)
+        engine.setup(1, 256)
+        (out,), _ = engine.generate([ids], case["max_new_tokens"], Sampling(), stop_ids=tok.eos_ids)
+        results.append(out)
+    return results
+
+
+def test_golden_greedy_output_smollm2(smollm2):
+    # tests/golden/smollm2-135m.json was written by `python tests/test_generate.py --update-golden`,
+    # and checked then against transformers' greedy generate on the same GGUF (see that function)
+    model, tok = smollm2
+    cases = json.loads(GOLDEN.read_text())
+    for case, out in zip(cases, golden_outputs(model, tok, cases)):
+        assert out == case["output_ids"], case["prompt"]
+        assert tok.decode(out) == case["output_text"]
+
+
+def test_chat_cache_reuse_equals_reprefill(smollm2):
+    model, tok = smollm2
+    engine = Engine(model)
+    engine.setup(1, 512)
+    turns = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
+    reuse, fresh = Chat(engine, tok), Chat(engine, tok, reuse_cache=False)
+    for turn in turns:
+        a, _ = reuse.reply(turn, 24, Sampling())
+        prefilled = reuse.last_prefill_tokens
+        b, _ = fresh.reply(turn, 24, Sampling())
+        assert a == b
+        assert fresh.last_prefill_tokens == len(tok.encode(tok.apply_chat_template(fresh.messages[:-1]),
+                                                            add_bos=False))
+    assert prefilled < fresh.last_prefill_tokens / 2  # the third turn prefilled only its new tokens
+
+
+def test_cli_streams_text_to_stdout_and_metrics_to_stderr(smollm2_dir, tmp_path):
+    from tokenizer import Tokenizer
+    tok = Tokenizer(smollm2_dir)
+    mj = tmp_path / "m.json"
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--prompt", "The capital of France is",
+                   "--max_new_tokens", "12", "--no-compile", "--num_samples", "2", "--metrics_json", mj)
+    assert r.returncode == 0, r.stderr
+    metrics = json.loads(mj.read_text())
+    assert len(metrics) == 2
+    for m in metrics:
+        for key in ("prompt_tokens", "new_tokens", "ttft_s", "decode_tokens_per_s", "bandwidth_gb_s",
+                    "peak_memory_bytes"):
+            assert m[key] > 0, key
+    assert "tokens/s" in r.stderr and "tokens/s" not in r.stdout
+    engine = Engine(load_model(smollm2_dir))
+    engine.setup(1, 64)
+    (out,), _ = engine.generate([tok.encode("The capital of France is")], 12, Sampling(), tok.eos_ids)
+    expected = tok.decode([t for t in out if t not in tok.eos_ids])
+    assert r.stdout == (expected + "\n") * 2
+
+
+def test_cli_interactive_chat_reuses_the_cache(smollm2_dir, tmp_path):
+    mj = tmp_path / "m.json"
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--interactive", "--no-compile",
+                   "--max_new_tokens", "16", "--max_seq_length", "512", "--metrics_json", mj,
+                   stdin="Hi there!\nWhat is 2+2?\n\n")
+    assert r.returncode == 0, r.stderr
+    first, second = json.loads(mj.read_text())
+    assert first["prefilled_tokens"] == first["conversation_tokens"]
+    # the second turn's prompt holds the whole first exchange, yet only the new turn is prefilled
+    assert second["conversation_tokens"] > first["conversation_tokens"] + first["new_tokens"]
+    assert second["prefilled_tokens"] < second["conversation_tokens"] - first["conversation_tokens"]
+    assert len(r.stdout.strip().splitlines()) >= 2
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    # a small random model with SmolLM2's tokenizer, so error cases load fast
+    model = random_model(vocab_size=49152, eos_token_ids=[2])
+    return save_checkpoint(model, tmp_path_factory.mktemp("tiny") / "ckpt", tokenizer_from=smollm2_dir)
+
+
+def broken_copy(src: Path, dst: Path, config=None, weights=None) -> Path:
+    import shutil
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if weights:
+        weights(dst / "model.safetensors")
+    return dst
+
+
+def truncate(path: Path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def drop_weight(path: Path, name="layers.1.feed_forward.w2.weight", reshape=False):
+    from safetensors.torch import load_file, save_file
+    state = load_file(path)
+    if reshape:
+        state[name] = state[name][:, :-1].contiguous()
+    else:
+        del state[name]
+    save_file(state, path)
+
+
+BAD_INPUTS = {
+    "missing_checkpoint": (lambda d, t: [t / "nope"], "does not exist"),
+    "truncated_weights": (lambda d, t: [broken_copy(d, t / "c", weights=truncate)], "truncated"),
+    "unsupported_architecture": (lambda d, t: [broken_copy(d, t / "c", config={"architecture": "gpt2"})],
+                                 "unsupported architecture"),
+    "missing_weight": (lambda d, t: [broken_copy(d, t / "c", weights=drop_weight)], "lacks"),
+    "wrong_shape": (lambda d, t: [broken_copy(d, t / "c", weights=lambda p: drop_weight(p, reshape=True))],
+                    "shape"),
+    "prompt_longer_than_cache": (lambda d, t: [d, "--prompt", "word " * 100, "--max_seq_length", "32"],
+                                 "max_seq_length"),
+    "max_new_tokens_beyond_cache": (lambda d, t: [d, "--max_new_tokens", "100", "--max_seq_length", "64"],
+                                    "exceeds"),
+    "unknown_device": (lambda d, t: [d, "--device", "tpu9"], "device"),
+    "unavailable_cuda": (lambda d, t: [d, "--device", "cuda"] if not torch.cuda.is_available()
+                         else [d, "--device", "cuda:99"], "cuda"),
+    "unknown_dtype": (lambda d, t: [d, "--dtype", "float8"], "dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_gives_one_line_error(case, tiny_dir, tmp_path):
+    make_args, expected = BAD_INPUTS[case]
+    ckpt, *rest = make_args(tiny_dir, tmp_path)
+    r = run_script("generate.py", "--checkpoint", ckpt, "--no-compile", "--max_new_tokens", "4", *rest)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert expected in lines[0]
+    assert r.stdout == ""
+
+
+def update_golden():
+    """Regenerate the golden file and check it against transformers' greedy generate on the GGUF."""
+    import transformers
+    from conftest import SMOLLM2
+    from tokenizer import Tokenizer
+    cases = [
+        {"prompt": "Once upon a time, there was a little", "chat": False, "max_new_tokens": 32},
+        {"prompt": "def fibonacci(n):", "chat": False, "max_new_tokens": 32},
+        {"prompt": "What is the capital of France?", "chat": True, "max_new_tokens": 48},
+    ]
+    model, tok = load_model(SMOLLM2), Tokenizer(SMOLLM2)
+    gguf = Path.home() / ".cache" / "minillm" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    for case, out in zip(cases, golden_outputs(model, tok, cases)):
+        text = tok.apply_chat_template([{"role": "user", "content": case["prompt"]}]) if case["chat"] \
+            else case["prompt"]
+        ids = torch.tensor([tok.encode(text, add_bos=False if case["chat"] else None)])
+        ref = hf.generate(ids, max_new_tokens=case["max_new_tokens"], do_sample=False,
+                          eos_token_id=tok.eos_ids, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert ref == out, (case["prompt"], ref, out)
+        case.update(output_ids=out, output_text=tok.decode(out))
+        print(case["prompt"], "->", repr(case["output_text"]))
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps(cases, indent=1, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--update-golden"]:
+        sys.path.insert(0, str(ROOT))
+        update_golden()
