@@ -275,15 +275,21 @@ class Transformer(nn.Module):
         cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
-    def masks(self, input_pos: Tensor, pad: Tensor) -> tuple[Tensor, Tensor]:
-        """Boolean (B, 1, T, S) masks, True where a query may attend: (global, sliding window)."""
+    def masks(self, input_pos: Tensor, pad: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Additive (B, 1, T, S) masks, 0 where a query may attend and -inf elsewhere:
+        (global, sliding window). Additive masks run faster than boolean ones in CPU SDPA."""
         q = input_pos.view(1, -1, 1)  # (1, T, 1) cache slot of each query
         k = torch.arange(self.max_seq_length, device=input_pos.device).view(1, 1, -1)  # (1, 1, S)
         causal = (k <= q) & (k >= pad.view(-1, 1, 1))  # (B, T, S): not the future, not padding
         causal = causal | (k == q)  # a padding query sees itself, so its softmax has no empty row
         window = self.args.sliding_window
         local = causal & (q - k < window) if window else causal
-        return causal.unsqueeze(1), local.unsqueeze(1)
+
+        def additive(allowed):
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+                ~allowed, float("-inf")).unsqueeze(1)
+
+        return additive(causal), (additive(local) if window else None)
 
     def forward(self, tokens: Tensor, input_pos: Tensor, pad: Optional[Tensor] = None,
                 last_logits_only: bool = False) -> Tensor:
@@ -295,8 +301,8 @@ class Transformer(nn.Module):
             pad = torch.zeros(B, dtype=torch.long, device=tokens.device)
         positions = input_pos.view(1, -1) - pad.view(-1, 1)  # (B, T) each row counts from its first token
         cos, sin = self.rope(positions)
-        masks = self.masks(input_pos, pad)
         x = self.tok_embeddings(tokens)  # (B, T, dim)
+        masks = self.masks(input_pos, pad, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, masks, input_pos)
         if last_logits_only:
