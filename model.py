@@ -1,5 +1,5 @@
 """A decoder-only transformer for fast inference: one `Transformer` for the Llama family
-(Llama 2/3, Mistral, SmolLM2, Qwen2). Every variation is a field of `ModelArgs`, read from the
+(Llama 2/3, Mistral, SmolLM2, Qwen2) and the Gemma family (Gemma 1, 2, 3). Every variation is a field of `ModelArgs`, read from the
 checkpoint's config.json, never guessed from names.
 
 The KV cache is preallocated to (max_batch_size, n_kv_heads, max_seq_length, head_dim) and
@@ -7,10 +7,13 @@ written in place, so one decode step has static shapes and compiles to a single 
 Batches of prompts of different lengths are left-padded: all rows share the cache slots
 (`input_pos`), each row's RoPE positions are shifted by its padding (`pad`), and the mask hides
 each row's padding slots.
+
+Sliding-window layers keep only the last `sliding_window` positions, in a ring buffer
+(`RingKVCache`), so their memory does not grow with max_seq_length.
 """
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -19,9 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
 class ConfigError(ValueError):
@@ -48,7 +51,17 @@ class ModelArgs:
     sliding_window: Optional[int] = None  # Mistral-style local attention over this many keys
     # Per layer "full_attention" | "sliding_attention"; None: every layer slides if sliding_window
     layer_types: Optional[list] = None
-    hidden_act: str = "silu"  # SwiGLU gate activation
+    hidden_act: str = "silu"  # gate activation: silu (SwiGLU), gelu_tanh (Gemma's GeGLU)
+    # Gemma family. Norm weights are stored as in HF checkpoints; the norm multiplies by
+    # (norm_weight_offset + weight), so Gemma's (1 + w) is offset 1.0.
+    norm_weight_offset: float = 0.0
+    embedding_scale: Optional[float] = None  # Gemma: embeddings times sqrt(dim), rounded to the model dtype
+    query_pre_attn_scalar: Optional[float] = None  # attention scale is this**-0.5, not head_dim**-0.5 (Gemma 2/3)
+    attn_logit_softcapping: Optional[float] = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    post_norms: bool = False  # "sandwich": also normalize each sublayer's output before the residual add (Gemma 2/3)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Gemma 3)
+    rope_local_theta: Optional[float] = None  # RoPE base of sliding layers, unscaled; None: as global (Gemma 3)
     bos_token_id: Optional[int] = None
     eos_token_ids: list = field(default_factory=list)  # generation stops at any of these
     quantization: Optional[dict] = None  # scheme written by quantize.py; None for float weights
@@ -115,16 +128,39 @@ class KVCache(nn.Module):
         return self.k_cache[:B], self.v_cache[:B]
 
 
+class RingKVCache(KVCache):
+    """The last `window` positions of a sliding-window layer: position p lives in slot p % window.
+
+    update() returns the cache as it was *before* this chunk, followed by the chunk's own keys
+    and values (B, n_kv_heads, window + T, head_dim), and then writes the chunk's last `window`
+    positions into the ring. So a query sees every key of its window even when the chunk is
+    longer than the window or overwrites slots that earlier queries of the chunk still need.
+    Transformer.masks gives each of those window + T keys its absolute position.
+    """
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
+        B, T, window = k.shape[0], k.shape[2], self.k_cache.shape[2]
+        k_all = torch.cat([self.k_cache[:B], k], dim=2)
+        v_all = torch.cat([self.v_cache[:B], v], dim=2)
+        n = min(T, window)  # older positions of the chunk would be overwritten within it anyway
+        slots = input_pos[-n:] % window
+        self.k_cache[:B].index_copy_(2, slots, k[:, :, -n:])
+        self.v_cache[:B].index_copy_(2, slots, v[:, :, -n:])
+        return k_all, v_all
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, weight_offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.weight_offset = eps, weight_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         # normalize in float32 so bf16/fp16 activations do not lose the variance
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:  # Gemma scales by (1 + w) in float32 and rounds once, as its reference does
+            return (xf * (self.weight_offset + self.weight.float())).type_as(x)
         return self.weight * xf.type_as(x)
 
 
@@ -189,6 +225,10 @@ class Attention(nn.Module):
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.attention_bias)  # q, k, v fused: one matmul
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
+        self.scale = args.query_pre_attn_scalar ** -0.5 if args.query_pre_attn_scalar else None  # None: SDPA's 1/sqrt(head_dim)
+        self.softcap = args.attn_logit_softcapping
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
@@ -198,14 +238,20 @@ class Attention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
+        q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv_heads, S, head_dim)
+        k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv_heads, S, head_dim); a ring cache: S = window + T
         # Grouped-query attention without repeating K/V: fold each KV head's query group into
         # the query length, so one SDPA call reads every cached key once.
         group = nh // nkv
         q = q.reshape(B, nkv, group * T, hd)  # (B, n_kv_heads, group*T, head_dim)
         mask = mask.unsqueeze(2).expand(B, 1, group, T, mask.shape[-1]).reshape(B, 1, group * T, -1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if self.softcap:  # SDPA cannot soft-cap the scores: spell attention out
+            scores = q @ k.transpose(-2, -1) * (self.scale or hd ** -0.5)  # (B, n_kv_heads, group*T, S)
+            scores = torch.tanh(scores / self.softcap) * self.softcap + mask
+            y = torch.softmax(scores.float(), dim=-1).type_as(q) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         y = y.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
         return self.wo(y)
 
@@ -227,13 +273,15 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(args, sliding=layer_type == "sliding_attention")
         self.feed_forward = FeedForward(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_weight_offset)  # noqa: E731
+        self.attention_norm, self.ffn_norm = norm(), norm()
+        self.post_attention_norm = norm() if args.post_norms else nn.Identity()
+        self.post_ffn_norm = norm() if args.post_norms else nn.Identity()
 
     def forward(self, x, cos, sin, masks, input_pos):
         mask = masks[1] if self.attention.sliding else masks[0]
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, mask, input_pos))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
 class Transformer(nn.Module):
@@ -242,11 +290,12 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, t) for t in args.layer_types)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_weight_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = self.max_seq_length = -1
+        self.ring_window: Optional[int] = None  # set when sliding layers keep a ring cache
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
         """Preallocate every layer's KV cache; call again to resize (the old contents are lost)."""
@@ -256,12 +305,25 @@ class Transformer(nn.Module):
         # RoPE tables live with the caches, so a model built on the meta device needs no re-init
         inv_freq, self.rope_scale = rope_inv_freq(self.args)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        if self.args.rope_local_theta:
+            local, _ = rope_inv_freq(replace(self.args, rope_theta=self.args.rope_local_theta, rope_scaling=None))
+            self.register_buffer("local_inv_freq", local.to(device), persistent=False)
+        # A sliding layer never looks further back than its window: a window-sized ring suffices
+        window = self.args.sliding_window
+        self.ring_window = window if window and window < max_seq_length else None
         for layer in self.layers:
             a = layer.attention
-            a.kv_cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim, dtype, device)
+            ring = a.sliding and self.ring_window is not None
+            cache = RingKVCache if ring else KVCache
+            a.kv_cache = cache(max_batch_size, a.n_kv_heads, window if ring else max_seq_length, a.head_dim,
+                               dtype, device)
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin of shape (B, 1, T, head_dim/2) for RoPE positions (B, T)."""
+    def rope(self, positions: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape (B, 1, T, head_dim/2) for RoPE positions (B, T); local: the
+        sliding layers' own unscaled base (rope_local_theta)."""
+        if local:
+            angles = positions.unsqueeze(-1).float() * self.local_inv_freq  # (B, T, head_dim/2)
+            return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
         inv_freq = self.inv_freq
         s = self.args.rope_scaling or {}
         if s.get("rope_type") == "dynamic":
@@ -277,13 +339,23 @@ class Transformer(nn.Module):
 
     def masks(self, input_pos: Tensor, pad: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Additive (B, 1, T, S) masks, 0 where a query may attend and -inf elsewhere:
-        (global, sliding window). Additive masks run faster than boolean ones in CPU SDPA."""
+        (global, sliding window). Additive masks run faster than boolean ones in CPU SDPA.
+        With a ring cache the sliding mask is (B, 1, T, window + T), over RingKVCache.update's keys."""
         q = input_pos.view(1, -1, 1)  # (1, T, 1) cache slot of each query
+
+        def allowed(k):  # (B, T, S) for keys at absolute positions k (1, 1, S): not the future, not padding
+            causal = (k <= q) & (k >= pad.view(-1, 1, 1))
+            return causal | (k == q)  # a padding query sees itself, so its softmax has no empty row
+
         k = torch.arange(self.max_seq_length, device=input_pos.device).view(1, 1, -1)  # (1, 1, S)
-        causal = (k <= q) & (k >= pad.view(-1, 1, 1))  # (B, T, S): not the future, not padding
-        causal = causal | (k == q)  # a padding query sees itself, so its softmax has no empty row
+        causal = allowed(k)
         window = self.args.sliding_window
-        local = causal & (q - k < window) if window else causal
+        if self.ring_window:
+            # before this chunk, ring slot j holds the last position = j (mod window); negative: empty
+            start, w = input_pos[0], self.ring_window
+            ring = start - w + (torch.arange(w, device=input_pos.device) - start) % w  # (window,)
+            k = torch.cat([ring, input_pos]).view(1, 1, -1)  # (1, 1, window + T)
+        local = allowed(k) & (q - k < window) if window else causal
 
         def additive(allowed):
             return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
@@ -301,19 +373,27 @@ class Transformer(nn.Module):
             pad = torch.zeros(B, dtype=torch.long, device=tokens.device)
         positions = input_pos.view(1, -1) - pad.view(-1, 1)  # (B, T) each row counts from its first token
         cos, sin = self.rope(positions)
+        local_rope = self.rope(positions, local=True) if self.args.rope_local_theta else (cos, sin)
         x = self.tok_embeddings(tokens)  # (B, T, dim)
+        if self.args.embedding_scale:  # the scale rounded to the model dtype first, as Gemma's reference does
+            x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
         masks = self.masks(input_pos, pad, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, masks, input_pos)
+            c, s = local_rope if layer.attention.sliding else (cos, sin)
+            x = layer(x, c, s, masks, input_pos)
         if last_logits_only:
             x = x[:, -1:]  # prefill needs only the next token's logits: skip the vocab matmul for the rest
-        return self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x))
+        if self.args.final_logit_softcapping:
+            cap = self.args.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
 
 def param_bytes(model: nn.Module) -> int:
     """Bytes of weights read per decode step: every parameter and weight buffer once, except an
     untied embedding table, of which a step reads only one row per token."""
-    skip = {"inv_freq"}
+    skip = {"inv_freq", "local_inv_freq"}
     if not getattr(model, "args", None) or not model.args.tie_word_embeddings:
         skip.add("tok_embeddings.weight")
     tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
