@@ -249,6 +249,9 @@ class Chat:
         self.messages.append({"role": "user", "content": text})
         ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(self.messages), add_bos=False)
         keep = min(common_prefix(self.cached, ids), len(ids) - 1) if self.reuse_cache else 0
+        window = self.engine.model.ring_window
+        if window and keep < len(self.cached) and len(self.cached) > window:
+            keep = 0  # a ring cache cannot rewind: the window before `keep` was overwritten by later positions
         room = self.engine.model.max_seq_length - len(ids)
         if room < 2:
             raise UserError(f"the conversation ({len(ids)} tokens) fills the KV cache; "
