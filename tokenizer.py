@@ -341,7 +341,12 @@ def _write_sentencepiece(reader, tokens, token_types, out_dir):
     scores = _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
     # GGUF token types use SentencePiece's numbering: 1 normal, 2 unknown, 3 control, 4 user-defined,
     # 5 unused, 6 byte
-    for token, score, token_type in zip(tokens, scores, token_types):
+    for i, (token, score, token_type) in enumerate(zip(tokens, scores, token_types)):
+        if token_type == 4 and " " in token and not token.strip():
+            # Gemma's runs of spaces: llama.cpp stores them as user-defined "  ", but they are
+            # ordinary pieces "▁▁" that BPE merges (so 40 spaces become 16 + 24, not 31 + 9, as in
+            # transformers). Their rank is their position in the file, ahead of every scored piece.
+            token, score, token_type = "\u2581" * len(token), len(tokens) - i, 1
         piece = proto.pieces.add()
         piece.piece, piece.score, piece.type = token, float(score), int(token_type)
 
