@@ -8,6 +8,9 @@
 q/k rows stay in HF's "rotate_half" RoPE layout, which model.apply_rope expects; llama-arch GGUFs
 store them in Meta's interleaved-pair layout and are un-permuted here.
 
+Gemma norm weights are stored HF-style: the model multiplies by (1 + w) (ModelArgs.norm_weight_offset).
+llama.cpp folds the 1 into its gemma3 GGUF weights, so it is subtracted here.
+
 Output goes to a temporary sibling directory that is renamed into place only once complete, so a
 failed conversion leaves nothing half-written and keeps an existing good output.
 """
@@ -27,9 +30,14 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # the text decoder only; the vision tower is dropped
 }
-GGUF_ARCHITECTURES = ("llama", "qwen2")
-HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+HF_MODEL_TYPES = {"gemma3_text": "gemma3"}  # model_type -> ours, where it differs from our name
+GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 # per-layer HF names -> ours; q/k/v are handled separately because they are fused
@@ -41,6 +49,13 @@ HF_LAYER_NAMES = {
     "input_layernorm.weight": "attention_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
+HF_SANDWICH_NAMES = {  # Gemma 2/3: four norms per layer; post_attention_layernorm is no longer pre-FFN
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
+}
+HF_QK_NORM_NAMES = {"self_attn.q_norm.weight": "attention.q_norm.weight",
+                    "self_attn.k_norm.weight": "attention.k_norm.weight"}
 GGUF_LAYER_NAMES = {
     "attn_output.weight": "attention.wo.weight",
     "ffn_gate.weight": "feed_forward.w1.weight",
@@ -49,6 +64,14 @@ GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attention_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
 }
+GGUF_GEMMA3_NAMES = {
+    "post_attention_norm.weight": "post_attention_norm.weight",
+    "post_ffw_norm.weight": "post_ffn_norm.weight",
+    "attn_q_norm.weight": "attention.q_norm.weight",
+    "attn_k_norm.weight": "attention.k_norm.weight",
+}
+GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: five sliding layers, then one global (layer i is global if i % 6 == 5)
+GEMMA3_LOCAL_THETA = 10000.0  # RoPE base of Gemma 3's sliding layers; GGUF files do not record it
 
 
 class ConvertError(Exception):
@@ -83,6 +106,21 @@ def hf_rope(cfg: dict) -> tuple[float, dict | None]:
     return theta, {"rope_type": kind, **params}
 
 
+def gemma3_rope(cfg: dict) -> tuple[float, dict | None, float]:
+    """(global theta, global scaling, local theta): Gemma 3 scales RoPE on global layers only.
+    transformers 5 writes one rope_parameters dict per layer type; older configs write
+    rope_theta + rope_scaling (global) and rope_local_base_freq."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        theta, scaling = hf_rope({"rope_parameters": params["full_attention"]})
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ConvertError(f"RoPE scaling on sliding layers ({local['rope_type']!r}) is not supported")
+        return theta, scaling, float(local.get("rope_theta", GEMMA3_LOCAL_THETA))
+    theta, scaling = hf_rope({"rope_theta": 1e6, **cfg})
+    return theta, scaling, float(cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))
+
+
 def token_ids(value) -> list:
     if value is None:
         return []
@@ -93,12 +131,14 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
     archs = cfg.get("architectures") or []
     arch = HF_ARCHITECTURES.get(archs[0]) if archs else None
     model_type = cfg.get("model_type")
-    if arch is None and model_type in HF_ARCHITECTURES.values():
-        arch = model_type
+    if arch is None:
+        arch = HF_MODEL_TYPES.get(model_type) or (model_type if model_type in HF_ARCHITECTURES.values() else None)
     if arch is None:
         name = archs[0] if archs else model_type
         raise ConvertError(f"unsupported architecture {name!r} "
                            f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    if isinstance(cfg.get("text_config"), dict):  # multimodal (Gemma 3): convert the text decoder
+        cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", True), **cfg["text_config"]}
     if cfg.get("mlp_bias"):
         raise ConvertError("mlp_bias=true is not supported")
     try:
@@ -117,6 +157,18 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
         layer_types = cfg.get("layer_types") or [
             "sliding_attention" if i >= cfg.get("max_window_layers", n_layers) else "full_attention"
             for i in range(n_layers)]
+    gemma = {}  # the Gemma family's ModelArgs fields
+    if arch.startswith("gemma"):
+        gemma = dict(norm_weight_offset=1.0, embedding_scale=dim ** 0.5)
+    if arch in ("gemma2", "gemma3"):
+        sliding_window = cfg.get("sliding_window", 4096)
+        every = 2 if arch == "gemma2" else int(cfg.get("sliding_window_pattern", GEMMA3_GLOBAL_EVERY))
+        layer_types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
+        caps = (50.0, 30.0) if arch == "gemma2" else (None, None)  # transformers' defaults
+        gemma.update(post_norms=True, query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+                     attn_logit_softcapping=cfg.get("attn_logit_softcapping", caps[0]),
+                     final_logit_softcapping=cfg.get("final_logit_softcapping", caps[1]))
     if sliding_window is None:
         layer_types = None  # a "sliding" layer without a window attends globally anyway
 
@@ -124,7 +176,12 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
     eos = token_ids(gen_cfg.get("eos_token_id", cfg.get("eos_token_id")))
     bos = gen_cfg.get("bos_token_id", cfg.get("bos_token_id"))
     theta, scaling = hf_rope(cfg)
-    act = cfg.get("hidden_act", "silu")
+    if arch == "gemma3":
+        theta, scaling, gemma["rope_local_theta"] = gemma3_rope(cfg)
+        gemma["qk_norm"] = True
+    act = cfg.get("hidden_activation" if arch in ("gemma2", "gemma3") else "hidden_act") or "silu"
+    if arch == "gemma" and act == "gelu":
+        act = "gelu_pytorch_tanh"  # Gemma 1's config says "gelu" but was trained with the tanh approximation
     try:
         return ModelArgs(
             architecture=arch, vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
@@ -133,10 +190,10 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
             rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch.startswith("gemma"))),
             sliding_window=sliding_window, layer_types=layer_types,
             hidden_act=HF_ACTIVATIONS.get(act, act),
-            bos_token_id=None if bos is None else int(bos), eos_token_ids=list(dict.fromkeys(eos)))
+            bos_token_id=None if bos is None else int(bos), eos_token_ids=list(dict.fromkeys(eos)), **gemma)
     except ConfigError as e:
         raise ConvertError(str(e)) from None
 
@@ -196,6 +253,14 @@ def fuse_qkv(q, k, v, args: ModelArgs, where: str, unpermute: bool = False) -> t
 def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
     """Rename HF tensors to ours and fuse q/k/v; unknown leftovers are an error."""
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints
+    if any(k.startswith("model.language_model.") for k in hf):  # multimodal Gemma 3: keep the text decoder
+        hf = {k.replace("model.language_model.", "model.", 1): v for k, v in hf.items()
+              if not k.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
+    layer_names = dict(HF_LAYER_NAMES)
+    if args.post_norms:
+        layer_names.update(HF_SANDWICH_NAMES)
+    if args.qk_norm:
+        layer_names.update(HF_QK_NORM_NAMES)
 
     def take(name):  # name without the "model." prefix of the decoder's tensors
         if "model." + name not in hf:
@@ -211,7 +276,7 @@ def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
         raise ConvertError("checkpoint is missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
     for i in range(args.n_layers):
         p = f"layers.{i}."
-        for hf_name, name in HF_LAYER_NAMES.items():
+        for hf_name, name in layer_names.items():
             out[p + name] = take(p + hf_name)
         kinds = ("weight", "bias") if args.attention_bias else ("weight",)
         for kind in kinds:
@@ -347,8 +412,7 @@ def load_gguf(gguf_path):
     except Exception as e:  # truncated or not a GGUF at all
         raise ConvertError(f"cannot read {gguf_path} as GGUF: {one_line(e)}") from None
     if arch not in GGUF_ARCHITECTURES:
-        hint = " yet" if arch == "gemma3" else ""
-        raise ConvertError(f"GGUF architecture {arch!r} is not{hint} supported "
+        raise ConvertError(f"GGUF architecture {arch!r} is not supported "
                            f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
 
     def need(key):
@@ -361,6 +425,17 @@ def load_gguf(gguf_path):
     context = int(gguf_field(reader, f"{arch}.context_length", 4096))
     eos = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
     tensors = {t.name: t for t in reader.tensors}
+    gemma3 = {}
+    if arch == "gemma3":
+        # llama.cpp keeps neither the layer pattern nor the local RoPE base: Gemma 3's own values
+        n_layers, head_dim = int(need("block_count")), int(need("attention.key_length"))
+        gemma3 = dict(
+            norm_weight_offset=1.0, embedding_scale=int(need("embedding_length")) ** 0.5,
+            query_pre_attn_scalar=float(head_dim),  # every Gemma 3 size uses 256 = head_dim
+            post_norms=True, qk_norm=True, hidden_act="gelu_tanh",
+            sliding_window=int(need("attention.sliding_window")), rope_local_theta=GEMMA3_LOCAL_THETA,
+            layer_types=["full_attention" if i % GEMMA3_GLOBAL_EVERY == GEMMA3_GLOBAL_EVERY - 1
+                         else "sliding_attention" for i in range(n_layers)])
     try:
         args = ModelArgs(
             architecture=arch,
@@ -377,7 +452,7 @@ def load_gguf(gguf_path):
             attention_bias="blk.0.attn_q.bias" in tensors,
             tie_word_embeddings="output.weight" not in tensors,
             bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)))
+            eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)), **gemma3)
     except ConfigError as e:
         raise ConvertError(f"{gguf_path}: {e}") from None
 
@@ -392,14 +467,19 @@ def load_gguf(gguf_path):
         # GGUF lists dims innermost first; torch wants them outermost first ([out, in])
         return torch.from_numpy(w.reshape(tuple(int(d) for d in reversed(t.shape))))
 
-    state = {"tok_embeddings.weight": weight("token_embd.weight"), "norm.weight": weight("output_norm.weight")}
+    def norm(name):
+        # llama.cpp stores Gemma's norm weights with the +1 folded in; ours are HF-style (1 + w)
+        return weight(name) - args.norm_weight_offset
+
+    state = {"tok_embeddings.weight": weight("token_embd.weight"), "norm.weight": norm("output_norm.weight")}
     if not args.tie_word_embeddings:
         state["output.weight"] = weight("output.weight")
-    unpermute = arch == "llama"  # llama.cpp permutes llama q/k rows for interleaved RoPE; qwen2 keeps rotate_half
+    unpermute = arch == "llama"  # llama.cpp permutes llama q/k rows for interleaved RoPE; qwen2, gemma3 keep rotate_half
+    layer_names = {**GGUF_LAYER_NAMES, **(GGUF_GEMMA3_NAMES if arch == "gemma3" else {})}
     for i in range(args.n_layers):
         p, ours = f"blk.{i}.", f"layers.{i}."
-        for name, our_name in GGUF_LAYER_NAMES.items():
-            state[ours + our_name] = weight(p + name)
+        for name, our_name in layer_names.items():
+            state[ours + our_name] = norm(p + name) if "norm" in name else weight(p + name)
         for kind in ("weight", "bias") if args.attention_bias else ("weight",):
             q, k, v = (weight(p + f"attn_{x}.{kind}") for x in "qkv")
             state[ours + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"{p}attn_*.{kind}", unpermute)
@@ -428,8 +508,8 @@ def convert_gguf(gguf_path, out_dir) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        description="Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2) or a GGUF file "
-                    "(llama, qwen2) into a checkpoint directory this engine loads: config.json, "
+        description="Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2, Gemma 1/2/3) or a GGUF "
+                    "file (llama, qwen2, gemma3) into a checkpoint directory this engine loads: config.json, "
                     "model.safetensors and the tokenizer files.",
         epilog="examples:\n"
                "  python convert_hf_checkpoint.py --checkpoint_dir ~/hf/SmolLM2-135M-Instruct\n"

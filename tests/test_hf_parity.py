@@ -60,6 +60,16 @@ CASES = {
     # Layer 0 full attention, layers 1-2 slide (Qwen2's max_window_layers).
     "qwen2_sliding": ("qwen2", dict(num_hidden_layers=3, num_key_value_heads=2, use_sliding_window=True,
                                     sliding_window=8, max_window_layers=1)),
+    # Gemma: (1 + w) norms, sqrt(dim) embedding scale, GeGLU, tied head. The windows (16) are shorter
+    # than the prompt (40) and the generation (72), so the ring caches wrap during prefill and decode.
+    "gemma_mqa": ("gemma", dict(num_key_value_heads=1, head_dim=32)),  # head_dim != hidden/heads
+    "gemma2_softcap_sliding": ("gemma2", dict(
+        num_hidden_layers=4, num_key_value_heads=2, sliding_window=16, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),
+    "gemma3_qk_norm_local_rope": ("gemma3_text", dict(
+        num_hidden_layers=6, num_key_value_heads=2, head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})),
 }
 
 
@@ -195,6 +205,8 @@ MISTAKES = {  # name -> case it is made on
     "dynamic_ntk_ignored": "llama_rope_dynamic",
     "sliding_window_off_by_one": "mistral_sliding_window",
     "one_weight_nudged": "qwen2_biases_untied",
+    "attn_softcap_ignored": "gemma2_softcap_sliding",
+    "local_rope_theta_as_global": "gemma3_qk_norm_local_rope",
 }
 
 
@@ -214,6 +226,10 @@ def test_comparison_detects_small_mistakes(mistake, tmp_path):
         config["rope_scaling"] = None
     elif mistake == "sliding_window_off_by_one":
         config["sliding_window"] += 1
+    elif mistake == "attn_softcap_ignored":
+        config["attn_logit_softcapping"] = None
+    elif mistake == "local_rope_theta_as_global":
+        config["rope_local_theta"] = config["rope_theta"]
     config_path.write_text(json.dumps(config))
     ours = load_ours(tmp_path / "ours")
     if mistake == "one_weight_nudged":
