@@ -253,9 +253,12 @@ def fuse_qkv(q, k, v, args: ModelArgs, where: str, unpermute: bool = False) -> t
 def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
     """Rename HF tensors to ours and fuse q/k/v; unknown leftovers are an error."""
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}  # old checkpoints
-    if any(k.startswith("model.language_model.") for k in hf):  # multimodal Gemma 3: keep the text decoder
-        hf = {k.replace("model.language_model.", "model.", 1): v for k, v in hf.items()
-              if not k.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
+    text_prefixes = ("language_model.model.", "model.language_model.")  # as saved, as loaded by transformers 5
+    if any(k.startswith(text_prefixes) for k in hf):  # multimodal Gemma 3: keep the text decoder only
+        vision = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+        hf = {k.replace("language_model.model.", "model.", 1).replace("model.language_model.", "model.", 1)
+              .replace("language_model.lm_head.", "lm_head.", 1): v
+              for k, v in hf.items() if not k.startswith(vision)}
     layer_names = dict(HF_LAYER_NAMES)
     if args.post_norms:
         layer_names.update(HF_SANDWICH_NAMES)
