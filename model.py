@@ -120,12 +120,19 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
-        # k, v: (B, n_kv_heads, T, head_dim); a batch smaller than the cache uses its first rows
-        B = k.shape[0]
-        self.k_cache[:B].index_copy_(2, input_pos, k)
-        self.v_cache[:B].index_copy_(2, input_pos, v)
+    def rows(self, B: int):
+        # a batch smaller than the cache uses its first rows; a full batch writes the buffers
+        # themselves, since writing into a slice makes the compiled graph copy the whole cache
+        if B == self.k_cache.shape[0]:
+            return self.k_cache, self.v_cache
         return self.k_cache[:B], self.v_cache[:B]
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
+        # k, v: (B, n_kv_heads, T, head_dim)
+        k_cache, v_cache = self.rows(k.shape[0])
+        k_cache.index_copy_(2, input_pos, k)
+        v_cache.index_copy_(2, input_pos, v)
+        return k_cache, v_cache
 
 
 class RingKVCache(KVCache):
@@ -139,13 +146,14 @@ class RingKVCache(KVCache):
     """
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
-        B, T, window = k.shape[0], k.shape[2], self.k_cache.shape[2]
-        k_all = torch.cat([self.k_cache[:B], k], dim=2)
-        v_all = torch.cat([self.v_cache[:B], v], dim=2)
+        T, window = k.shape[2], self.k_cache.shape[2]
+        k_cache, v_cache = self.rows(k.shape[0])
+        k_all = torch.cat([k_cache, k], dim=2)
+        v_all = torch.cat([v_cache, v], dim=2)
         n = min(T, window)  # older positions of the chunk would be overwritten within it anyway
         slots = input_pos[-n:] % window
-        self.k_cache[:B].index_copy_(2, slots, k[:, :, -n:])
-        self.v_cache[:B].index_copy_(2, slots, v[:, :, -n:])
+        k_cache.index_copy_(2, slots, k[:, :, -n:])
+        v_cache.index_copy_(2, slots, v[:, :, -n:])
         return k_all, v_all
 
 
