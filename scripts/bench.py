@@ -1,0 +1,446 @@
+"""Benchmark our generate.py against its peers on the same weights, in one run.
+
+    python scripts/bench.py                      # SmolLM2-135M, float32 + bfloat16, 3 rounds
+    python scripts/bench.py --quick             # smoke test: 1 round, 32 new tokens
+    python scripts/bench.py --llama_quants Q8_0,ORIG --json bench-out/bench.json
+
+Engines (--engines), each started in its own subprocess, all fed the same prompt token ids:
+  ours        generate.py --compile (torch.compile of the decode step)
+  ours-eager  generate.py --no-compile
+  hf          Hugging Face transformers' best CPU configuration: static cache +
+              torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+  hf-eager    transformers with its default dynamic cache, no compile
+  llama       llama.cpp through llama-cpp-python, on F32/BF16 GGUFs of the same weights
+
+Weights: ours read checkpoints/NAME (made by `python scripts/prepare.py NAME` from a GGUF);
+transformers loads that GGUF and dequantizes it the way our converter does; llama.cpp runs an
+F32 GGUF written from the dequantized tensors (same metadata) and a BF16 one made from it by
+llama_model_quantize. Those files are cached in $MINILLM_CACHE/bench (default
+~/.cache/minillm/bench). --llama_quants adds llama.cpp rows at Q8_0 (quantized from the F32 file)
+and ORIG (the GGUF as shipped, for SmolLM2 Q4_1 with a Q8_0 embedding).
+
+Protocol: batch 1, 2 threads everywhere (OMP_NUM_THREADS=2, torch.set_num_threads(2),
+n_threads=2), greedy, exactly --max_new_tokens new tokens (EOS ignored). Every engine runs each
+prompt in a process of its own, --num_samples times, and drops the first run (compilation and
+warm-up); the median of the rest is that round's figure. Rounds are interleaved (the engine
+order rotates each round) because this machine's speed drifts by up to 2x between minutes; the
+table shows the median over rounds.
+Decode tokens/s is measured after the short prompt; time to first token (TTFT: prefill plus the
+first token) for the short prompt and for a ~500-token one (the opening of Moby-Dick).
+Memory bandwidth is measured in every round (torch sum over 1 GiB of float32, 2 threads, best of
+5); "% bw" is an engine's achieved bandwidth (weight bytes x decode steps/s; ours as generate.py
+reports it) over the median measured bandwidth.
+
+llama.cpp is optional: without llama-cpp-python its rows are skipped with a message. It builds
+from source (~7-10 min on 2 cores, 20+ when the machine is busy) and the CPU flags must match the
+machine (`grep -o 'avx512[a-z_]*\|amx[a-z_]*' /proc/cpuinfo | sort -u`): a flag the CPU lacks
+gives "Illegal instruction" on the first model load, and ggml's AMX code crashes on the first
+Q4_1/Q8_0 decode of the AVX-512+AMX machines, so AMX stays off. On the AVX2-only AMD EPYC machines:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36
+
+On the AVX-512 + AMX machines (shared/peers.md):
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 pip install --no-cache-dir llama-cpp-python==0.3.36
+
+The table goes to stdout, progress to stderr, every raw number to --json.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from bench_peers import THREADS, gguf_variant  # noqa: E402
+
+SHORT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+# Herman Melville, Moby-Dick (1851), chapter 1; public domain. 494 tokens with SmolLM2's tokenizer.
+LONG_PROMPT = """\
+Call me Ishmael. Some years ago--never mind how long precisely--having little or no money in my \
+purse, and nothing particular to interest me on shore, I thought I would sail about a little and see \
+the watery part of the world. It is a way I have of driving off the spleen and regulating the \
+circulation. Whenever I find myself growing grim about the mouth; whenever it is a damp, drizzly \
+November in my soul; whenever I find myself involuntarily pausing before coffin warehouses, and \
+bringing up the rear of every funeral I meet; and especially whenever my hypos get such an upper hand \
+of me, that it requires a strong moral principle to prevent me from deliberately stepping into the \
+street, and methodically knocking people's hats off--then, I account it high time to get to sea as \
+soon as I can. This is my substitute for pistol and ball. With a philosophical flourish Cato throws \
+himself upon his sword; I quietly take to the ship. There is nothing surprising in this. If they but \
+knew it, almost all men in their degree, some time or other, cherish very nearly the same feelings \
+towards the ocean with me.
+
+There now is your insular city of the Manhattoes, belted round by wharves as Indian isles by coral \
+reefs--commerce surrounds it with her surf. Right and left, the streets take you waterward. Its \
+extreme downtown is the battery, where that noble mole is washed by waves, and cooled by breezes, \
+which a few hours previous were out of sight of land. Look at the crowds of water-gazers there.
+
+Circumambulate the city of a dreamy Sabbath afternoon. Go from Corlears Hook to Coenties Slip, and \
+from thence, by Whitehall, northward. What do you see?--Posted like silent sentinels all around the \
+town, stand thousands upon thousands of mortal men fixed in ocean reveries. Some leaning against the \
+spiles; some seated upon the pier-heads; some looking over the bulwarks of ships from China; some \
+high aloft in the rigging, as if striving to get a still better seaward peep. But these are all \
+landsmen; of week days pent up in lath and plaster--tied to counters, nailed to benches, clinched to \
+desks. How then is this? Are the green fields gone? What do they here?"""
+
+PROMPTS = {"short": SHORT_PROMPT, "long": LONG_PROMPT}
+
+ENGINES = {  # name -> label in the table
+    "ours": "ours (compiled decode)",
+    "ours-eager": "ours (eager)",
+    "hf": "transformers static+compile",
+    "hf-eager": "transformers eager",
+    "llama": "llama.cpp",
+}
+LLAMA_KIND = {"float32": "F32", "bfloat16": "BF16"}  # our dtype -> llama.cpp file type
+
+
+def log(*args):
+    print("[bench]", *args, file=sys.stderr, flush=True)
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+# ---------------------------------------------------------------- setup
+
+def resolve_weights(a):
+    """(checkpoint dir, source GGUF path) for --model unless --checkpoint/--gguf say otherwise."""
+    checkpoint = a.checkpoint or REPO_ROOT / "checkpoints" / a.model
+    gguf = a.gguf
+    if gguf is None:
+        import prepare  # scripts/prepare.py: downloads (once) and verifies the model's GGUF
+        if a.model not in prepare.MODELS:
+            sys.exit(f"error: unknown --model {a.model!r}; pass --gguf for other weights")
+        gguf = prepare.fetch_gguf(a.model)
+    return Path(checkpoint), Path(gguf)
+
+
+def bench_cache_dir() -> Path:
+    return Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm") / "bench"
+
+
+def tokenize_prompts(gguf: Path, checkpoint: Path) -> dict:
+    """Prompt token ids from the transformers GGUF tokenizer: what hf and llama.cpp are fed.
+    Ours tokenizes the same text itself; check here that it gets the same ids."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ids = {name: tok(text).input_ids for name, text in PROMPTS.items()}
+    try:
+        from tokenizer import Tokenizer
+        ours = Tokenizer(checkpoint)
+        for name, text in PROMPTS.items():
+            if ours.encode(text) != ids[name]:
+                log(f"WARNING: our tokenizer and transformers' disagree on the {name} prompt "
+                    f"({len(ours.encode(text))} vs {len(ids[name])} tokens): engines see different ids")
+    except Exception as e:  # no checkpoint or tokenizer.py yet: the prompt_tokens check still runs
+        log(f"(could not compare with our tokenizer: {e})")
+    return ids
+
+
+def engine_jobs(a, llama_ok: bool) -> list:
+    """(engine, dtype) pairs of one round; llama.cpp rows use its file types as dtype."""
+    jobs = []
+    for engine in a.engines:
+        if engine == "llama":
+            if not llama_ok:
+                continue
+            kinds = [LLAMA_KIND[d] for d in a.dtypes] + a.llama_quants
+            jobs += [(engine, k) for k in dict.fromkeys(kinds)]
+        else:
+            jobs += [(engine, d) for d in a.dtypes]
+    return jobs
+
+
+# ---------------------------------------------------------------- subprocesses
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
+    return env
+
+
+def run_process(cmd: list, out: Path, logfile: Path, timeout: float):
+    """Run cmd, output to logfile; return (JSON it wrote to out or None, error text or None, wall s)."""
+    t = time.perf_counter()
+    try:
+        with open(logfile, "w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=subprocess_env(),
+                                timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    wall = time.perf_counter() - t
+    if rc == 0 and out.exists():
+        return json.loads(out.read_text()), None, wall
+    tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-15:])
+    hint = " (illegal instruction: llama-cpp-python was built for another CPU, see --help)" if rc == -4 else ""
+    return None, f"exit {rc}{hint}; log {logfile}:\n{tail}", wall
+
+
+def peers_cmd(worker: str, out: Path, *args) -> list:
+    return [sys.executable, str(REPO_ROOT / "scripts" / "bench_peers.py"), worker, "--out", str(out), *map(str, args)]
+
+
+def run_ours(a, engine, dtype, ids, workdir: Path, tag: str) -> dict:
+    """generate.py once per prompt; drop sample 0 (compilation), keep the rest."""
+    runs, warmup, errors, wall = {}, {}, [], 0.0
+    for name, text in PROMPTS.items():
+        out = workdir / f"{tag}-{name}.json"
+        cmd = [sys.executable, str(REPO_ROOT / "generate.py"), "--checkpoint", str(a.checkpoint),
+               "--prompt", text, "--max_new_tokens", str(a.max_new_tokens), "--temperature", "0",
+               "--device", "cpu", "--dtype", dtype, "--compile" if engine == "ours" else "--no-compile",
+               "--ignore_eos", "--num_samples", str(a.num_samples), "--metrics_json", str(out)]
+        metrics, err, w = run_process(cmd, out, workdir / f"{tag}-{name}.log", a.timeout)
+        wall += w
+        if err:
+            errors.append(f"{name}: {err}")
+            continue
+        if metrics[0]["prompt_tokens"] != len(ids[name]):
+            log(f"WARNING: ours saw {metrics[0]['prompt_tokens']} prompt tokens for the {name} prompt, "
+                f"the peers {len(ids[name])}")
+        warmup[name] = metrics[0]["ttft_s"] + (metrics[0]["new_tokens"] - 1) / max(metrics[0]["decode_tokens_per_s"], 1e-9)
+        runs[name] = metrics[1:] or metrics
+    result = {"runs": runs, "warmup_s": warmup, "wall_s": wall}
+    if errors:
+        result["error"] = "\n".join(errors)
+    return result
+
+
+def run_peer(a, engine, dtype, ids, workdir: Path, tag: str) -> dict:
+    """One worker process per prompt, like ours: a process that saw two prompt lengths would
+    run torch.compile's second graph with dynamic shapes, which is not transformers' best case."""
+    runs, warmup, load, errors, wall, weight_bytes = {}, {}, {}, [], 0.0, None
+    for name in PROMPTS:
+        out, ids_file = workdir / f"{tag}-{name}.json", workdir / f"ids-{name}.json"
+        ids_file.write_text(json.dumps({name: ids[name]}))
+        common = ["--prompts", ids_file, "--max_new_tokens", a.max_new_tokens, "--num_samples", a.num_samples]
+        if engine == "llama":
+            cmd = peers_cmd("llama", out, "--gguf", a.llama_files[dtype], *common)
+        else:
+            cmd = peers_cmd("hf", out, "--gguf", a.gguf, "--dtype", dtype,
+                            "--compile" if engine == "hf" else "--no-compile", *common)
+        result, err, w = run_process(cmd, out, workdir / f"{tag}-{name}.log", a.timeout)
+        wall += w
+        if err:
+            errors.append(f"{name}: {err}")
+            continue
+        runs[name], warmup[name], load[name] = result["runs"][name], result["warmup_s"][name], result["load_s"]
+        weight_bytes = result["weight_bytes"]
+    result = {"runs": runs, "warmup_s": warmup, "load_s": load, "weight_bytes": weight_bytes, "wall_s": wall}
+    if errors:
+        result["error"] = "\n".join(errors)
+    return result
+
+
+def run_membw(a, workdir: Path, tag: str) -> dict:
+    out = workdir / f"{tag}.json"
+    result, err, _ = run_process(peers_cmd("membw", out), out, workdir / f"{tag}.log", a.timeout)
+    if err:
+        log(f"memory bandwidth measurement failed: {err}")
+    return result or {}
+
+
+# ---------------------------------------------------------------- summary
+
+def summarize(raw: list, membw: list, n_new: int) -> list:
+    """One row per (engine, dtype): medians over rounds of each round's median over samples."""
+    bw_machine = median([m.get("gb_s") for m in membw])
+    rows = {}
+    for r in raw:
+        rows.setdefault((r["engine"], r["dtype"]), []).append(r)
+    summary = []
+    for (engine, dtype), rounds in rows.items():
+        def per_round(prompt, key):
+            return median([median([s.get(key) for s in rr["runs"].get(prompt, [])]) for rr in rounds])
+        tps = per_round("short", "decode_tokens_per_s")
+        if engine.startswith("ours"):
+            bw = per_round("short", "bandwidth_gb_s")
+        else:
+            wb = median([rr.get("weight_bytes") for rr in rounds])
+            bw = wb * tps / 1e9 if wb and tps else None
+        new_tokens = {s["new_tokens"] for rr in rounds for runs in rr["runs"].values() for s in runs}
+        summary.append({
+            "engine": engine, "dtype": dtype, "rounds_ok": sum(1 for rr in rounds if rr["runs"].get("short")),
+            "decode_tokens_per_s": tps,
+            "decode_tokens_per_s_after_long": per_round("long", "decode_tokens_per_s"),
+            "ttft_short_s": per_round("short", "ttft_s"), "ttft_long_s": per_round("long", "ttft_s"),
+            "bandwidth_gb_s": bw, "bandwidth_fraction": bw / bw_machine if bw and bw_machine else None,
+            "warmup_s": {p: median([rr.get("warmup_s", {}).get(p) for rr in rounds]) for p in PROMPTS},
+            "new_tokens_seen": sorted(new_tokens), "exact_new_tokens": new_tokens == {n_new},
+            "errors": [rr["error"] for rr in rounds if rr.get("error")],
+            "output_ids_short": next((runs[0].get("output_ids") for rr in rounds
+                                      for runs in [rr["runs"].get("short")] if runs), None),
+        })
+    # ours/peer: decode speed ratio and TTFT speedup (peer TTFT / our TTFT), same dtype
+    ours = {s["dtype"]: s for s in summary if s["engine"] == "ours"} or \
+        {s["dtype"]: s for s in summary if s["engine"] == "ours-eager"}
+    for s in summary:
+        o = ours.get({"F32": "float32", "BF16": "bfloat16"}.get(s["dtype"], s["dtype"]))
+        ok = o is not None and not s["engine"].startswith("ours")
+
+        def ratio(x, y):
+            return x / y if ok and x and y else None
+        s["ours_decode_ratio"] = ratio(o and o["decode_tokens_per_s"], s["decode_tokens_per_s"])
+        s["ours_ttft_short_speedup"] = ratio(s["ttft_short_s"], o and o["ttft_short_s"])
+        s["ours_ttft_long_speedup"] = ratio(s["ttft_long_s"], o and o["ttft_long_s"])
+    return summary
+
+
+def fmt(x, spec, scale=1.0):
+    return "-" if x is None else format(x * scale, spec)
+
+
+def print_table(summary: list, membw: list, ids: dict, a):
+    n_long = len(ids["long"])
+    head = ["engine", "dtype", "decode tok/s", "TTFT short ms", f"TTFT {n_long} ms", "GB/s", "% bw",
+            "ours/peer decode", "ours TTFT short x", f"ours TTFT {n_long} x"]
+    rows = [[ENGINES[s["engine"]], s["dtype"], fmt(s["decode_tokens_per_s"], ".1f"),
+             fmt(s["ttft_short_s"], ".0f", 1000), fmt(s["ttft_long_s"], ".0f", 1000),
+             fmt(s["bandwidth_gb_s"], ".1f"), fmt(s["bandwidth_fraction"], ".0f", 100),
+             fmt(s["ours_decode_ratio"], ".2f"), fmt(s["ours_ttft_short_speedup"], ".2f"),
+             fmt(s["ours_ttft_long_speedup"], ".2f")] for s in summary]
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    bws = [m["gb_s"] for m in membw if m.get("gb_s")]
+    print(f"\nmodel {a.checkpoint} / {a.gguf.name}; batch 1, {THREADS} threads, greedy, {a.max_new_tokens} new "
+          f"tokens; prompts {len(ids['short'])} and {n_long} tokens; median of {a.rounds} round(s)")
+    if bws:
+        print(f"memory bandwidth (sum over 1 GiB fp32, {THREADS} threads): median {statistics.median(bws):.1f} GB/s "
+              f"(rounds: {', '.join(f'{b:.1f}' for b in bws)})")
+    print(line(head))
+    print(line(["-" * w for w in widths]))
+    for r in rows:
+        print(line(r))
+    print("ours/peer decode: our decode tok/s over the peer's (same dtype); ours TTFT x: the peer's time to "
+          "first token over ours (>1: ours is faster). % bw: achieved bandwidth over the measured one.")
+    ref = next((s for s in summary if s["engine"].startswith("hf") and s["output_ids_short"]), None)
+    if ref:  # greedy outputs of the same weights should agree for a while, then drift with rounding
+        agree = []
+        for s in summary:
+            ids_ = s["output_ids_short"]
+            if ids_ and s is not ref:
+                n = next((i for i, (x, y) in enumerate(zip(ids_, ref["output_ids_short"])) if x != y), min(len(ids_), len(ref["output_ids_short"])))
+                agree.append(f"{ENGINES[s['engine']]} {s['dtype']} {n}/{len(ids_)}")
+        if agree:
+            print(f"greedy tokens agreeing with {ENGINES[ref['engine']]} {ref['dtype']} (short prompt): {', '.join(agree)}")
+    for s in summary:
+        if s["warmup_s"].get("short") and s["engine"] in ("hf", "ours"):
+            print(f"{ENGINES[s['engine']]} {s['dtype']}: first (compiling) generation took "
+                  f"{s['warmup_s']['short']:.1f} s short / {s['warmup_s'].get('long') or 0:.1f} s long")
+        if not s["exact_new_tokens"] and s["new_tokens_seen"]:
+            print(f"WARNING {ENGINES[s['engine']]} {s['dtype']}: generated {s['new_tokens_seen']} tokens, "
+                  f"not exactly {a.max_new_tokens}")
+        for e in s["errors"]:
+            print(f"ERROR {ENGINES[s['engine']]} {s['dtype']}: {e.splitlines()[0]} (see --json / the log)")
+
+
+# ---------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__[__doc__.index("Engines"):],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model name known to scripts/prepare.py (default: smollm2-135m)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="our checkpoint dir (default: checkpoints/MODEL)")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="the GGUF the checkpoint was converted from (default: prepare.py's cached copy)")
+    p.add_argument("--engines", default="ours,hf,llama",
+                   help=f"comma-separated, from: {', '.join(ENGINES)} (default: ours,hf,llama)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes (default: both)")
+    p.add_argument("--llama_quants", default="",
+                   help="extra llama.cpp rows, comma-separated from Q8_0, Q4_1, ORIG (the GGUF as shipped)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per run, EOS ignored")
+    p.add_argument("--num_samples", type=int, default=2,
+                   help="runs per prompt per process; the first is warm-up and is dropped (>= 2)")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds one subprocess may take")
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 round, 32 new tokens")
+    p.add_argument("--json", type=Path, default=None, help="write every raw number here")
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    if a.quick:
+        a.rounds, a.max_new_tokens = 1, min(a.max_new_tokens, 32)
+    a.engines = [e for e in a.engines.split(",") if e]
+    a.dtypes = [d for d in a.dtypes.split(",") if d]
+    a.llama_quants = [q.upper() for q in a.llama_quants.split(",") if q]
+    bad = [e for e in a.engines if e not in ENGINES] + [d for d in a.dtypes if d not in LLAMA_KIND] + \
+        [q for q in a.llama_quants if q not in ("Q8_0", "Q4_1", "ORIG")]
+    if bad or a.num_samples < 2 or a.rounds < 1:
+        sys.exit(f"error: bad arguments {bad or ''} (--num_samples must be >= 2, --rounds >= 1)")
+    a.checkpoint, a.gguf = resolve_weights(a)
+
+    if any(e.startswith("ours") for e in a.engines):
+        why = None if (REPO_ROOT / "generate.py").exists() else "generate.py is missing"
+        if not (a.checkpoint / "config.json").exists():
+            why = f"no checkpoint at {a.checkpoint} (make it with: python scripts/prepare.py {a.model})"
+        if why:
+            log(f"skipping ours: {why}")
+            a.engines = [e for e in a.engines if not e.startswith("ours")]
+    llama_ok = importlib.util.find_spec("llama_cpp") is not None
+    if "llama" in a.engines and not llama_ok:
+        log("skipping llama.cpp: llama-cpp-python is not installed (see `scripts/bench.py --help` for how to build it)")
+    a.llama_files = {}
+    if "llama" in a.engines and llama_ok:
+        for kind in [LLAMA_KIND[d] for d in a.dtypes] + a.llama_quants:
+            a.llama_files[kind] = gguf_variant(a.gguf, kind, bench_cache_dir())
+
+    ids = tokenize_prompts(a.gguf, a.checkpoint)
+    log(f"prompts: short {len(ids['short'])} tokens, long {len(ids['long'])} tokens")
+    workdir = Path(tempfile.mkdtemp(prefix="minillm-bench-"))
+    jobs = engine_jobs(a, llama_ok)
+    log(f"{a.rounds} round(s) of {len(jobs)} runs: {', '.join(f'{e}/{d}' for e, d in jobs)}; logs in {workdir}")
+
+    raw, membw, t_start = [], [], time.perf_counter()
+    for rnd in range(a.rounds):
+        m = run_membw(a, workdir, f"r{rnd}-membw")
+        m["round"] = rnd
+        membw.append(m)
+        log(f"round {rnd + 1}/{a.rounds}: memory bandwidth {m.get('gb_s', 0):.1f} GB/s")
+        shift = rnd % len(jobs) if jobs else 0
+        for engine, dtype in jobs[shift:] + jobs[:shift]:  # rotate so no engine always runs first
+            tag = f"r{rnd}-{engine}-{dtype}"
+            if engine.startswith("ours"):
+                r = run_ours(a, engine, dtype, ids, workdir, tag)
+            else:
+                r = run_peer(a, engine, dtype, ids, workdir, tag)
+            r.update(round=rnd, engine=engine, dtype=dtype)
+            raw.append(r)
+            short = r["runs"].get("short") or [{}]
+            long = r["runs"].get("long") or [{}]
+            if r.get("error"):
+                log(f"  {engine}/{dtype}: FAILED {r['error']}")
+            log(f"  {engine}/{dtype}: decode {median([s.get('decode_tokens_per_s') for s in short]) or 0:.1f} tok/s, "
+                f"TTFT {1000 * (median([s.get('ttft_s') for s in short]) or 0):.0f} / "
+                f"{1000 * (median([s.get('ttft_s') for s in long]) or 0):.0f} ms ({r['wall_s']:.0f} s)")
+
+    summary = summarize(raw, membw, a.max_new_tokens)
+    print_table(summary, membw, ids, a)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "llama_files"}
+        config["llama_files"] = {k: str(v) for k, v in a.llama_files.items()}
+        a.json.write_text(json.dumps({
+            "config": config, "threads": THREADS, "prompt_ids": ids, "prompts": PROMPTS,
+            "wall_s": time.perf_counter() - t_start, "memory_bandwidth": membw,
+            "summary": summary, "raw": raw}, indent=1))
+        log(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
