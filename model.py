@@ -157,6 +157,21 @@ class RingKVCache(KVCache):
         return k_all, v_all
 
 
+class Linear(nn.Linear):
+    """nn.Linear, except for a float32 matrix-vector product (batch-1 decode) in a compiled graph
+    on CPU: spelled as multiply-and-sum, inductor turns it into one vectorized, multi-threaded
+    reduction that streams the weight near memory bandwidth, where BLAS gemv reached about half
+    of it on our AVX2 machines (SmolLM2-135M decode: 36 against 23 tokens/s). In eager mode the
+    product would be materialized, so there it stays F.linear."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (torch.compiler.is_compiling() and x.dtype == torch.float32 and x.device.type == "cpu"
+                and x.shape[:-1].numel() == 1):
+            y = (self.weight * x.reshape(1, -1)).sum(-1).view(*x.shape[:-1], -1)  # (..., out_features)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, weight_offset: float = 0.0):
         super().__init__()
@@ -231,8 +246,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.sliding = sliding
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.attention_bias)  # q, k, v fused: one matmul
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, qkv_dim, bias=args.attention_bias)  # q, k, v fused: one matmul
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
         self.scale = args.query_pre_attn_scalar ** -0.5 if args.query_pre_attn_scalar else None  # None: SDPA's 1/sqrt(head_dim)
@@ -267,9 +282,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+        self.w1 = Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)  # down
         self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -299,7 +314,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, t) for t in args.layer_types)
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_weight_offset)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = self.max_seq_length = -1
