@@ -6,6 +6,7 @@
 
 Engines (--engines), each started in its own subprocess, all fed the same prompt token ids:
   ours        generate.py --compile (torch.compile of the decode step)
+  ours-max    generate.py --compile --compile_mode max (frozen weights, inductor GEMM kernels)
   ours-eager  generate.py --no-compile
   hf          Hugging Face transformers' best CPU configuration: static cache +
               torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
@@ -96,6 +97,7 @@ PROMPTS = {"short": SHORT_PROMPT, "long": LONG_PROMPT}
 
 ENGINES = {  # name -> label in the table
     "ours": "ours (compiled decode)",
+    "ours-max": "ours (--compile_mode max)",
     "ours-eager": "ours (eager)",
     "hf": "transformers static+compile",
     "hf-eager": "transformers eager",
@@ -200,7 +202,8 @@ def run_ours(a, engine, dtype, ids, workdir: Path, tag: str) -> dict:
         out = workdir / f"{tag}-{name}.json"
         cmd = [sys.executable, str(REPO_ROOT / "generate.py"), "--checkpoint", str(a.checkpoint),
                "--prompt", text, "--max_new_tokens", str(a.max_new_tokens), "--temperature", "0",
-               "--device", "cpu", "--dtype", dtype, "--compile" if engine == "ours" else "--no-compile",
+               "--device", "cpu", "--dtype", dtype, "--no-compile" if engine == "ours-eager" else "--compile",
+               *(["--compile_mode", "max"] if engine == "ours-max" else []),
                "--ignore_eos", "--num_samples", str(a.num_samples), "--metrics_json", str(out)]
         metrics, err, w = run_process(cmd, out, workdir / f"{tag}-{name}.log", a.timeout)
         wall += w
@@ -254,7 +257,7 @@ def run_membw(a, workdir: Path, tag: str) -> dict:
 
 # ---------------------------------------------------------------- summary
 
-def summarize(raw: list, membw: list, n_new: int) -> list:
+def summarize(raw: list, membw: list, n_new: int, reference: str = "ours") -> list:
     """One row per (engine, dtype): medians over rounds of each round's median over samples."""
     bw_machine = median([m.get("gb_s") for m in membw])
     rows = {}
@@ -284,8 +287,8 @@ def summarize(raw: list, membw: list, n_new: int) -> list:
                                       for runs in [rr["runs"].get("short")] if runs), None),
         })
     # ours/peer: decode speed ratio and TTFT speedup (peer TTFT / our TTFT), same dtype
-    ours = {s["dtype"]: s for s in summary if s["engine"] == "ours"} or \
-        {s["dtype"]: s for s in summary if s["engine"] == "ours-eager"}
+    ours = {s["dtype"]: s for s in summary if s["engine"] == reference} or \
+        {s["dtype"]: s for s in summary if s["engine"].startswith("ours")}
     for s in summary:
         o = ours.get({"F32": "float32", "BF16": "bfloat16"}.get(s["dtype"], s["dtype"]))
         ok = o is not None and not s["engine"].startswith("ours")
@@ -336,7 +339,7 @@ def print_table(summary: list, membw: list, ids: dict, a):
         if agree:
             print(f"greedy tokens agreeing with {ENGINES[ref['engine']]} {ref['dtype']} (short prompt): {', '.join(agree)}")
     for s in summary:
-        if s["warmup_s"].get("short") and s["engine"] in ("hf", "ours"):
+        if s["warmup_s"].get("short") and s["engine"] in ("hf", "ours", "ours-max"):
             print(f"{ENGINES[s['engine']]} {s['dtype']}: first (compiling) generation took "
                   f"{s['warmup_s']['short']:.1f} s short / {s['warmup_s'].get('long') or 0:.1f} s long")
         if not s["exact_new_tokens"] and s["new_tokens_seen"]:
@@ -359,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the GGUF the checkpoint was converted from (default: prepare.py's cached copy)")
     p.add_argument("--engines", default="ours,hf,llama",
                    help=f"comma-separated, from: {', '.join(ENGINES)} (default: ours,hf,llama)")
+    p.add_argument("--reference", default="ours",
+                   help="which of our engines the ratio columns compare with the peers (default: ours)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes (default: both)")
     p.add_argument("--llama_quants", default="",
                    help="extra llama.cpp rows, comma-separated from Q8_0, Q4_1, ORIG (the GGUF as shipped)")
@@ -429,7 +434,7 @@ def main(argv=None):
                 f"TTFT {1000 * (median([s.get('ttft_s') for s in short]) or 0):.0f} / "
                 f"{1000 * (median([s.get('ttft_s') for s in long]) or 0):.0f} ms ({r['wall_s']:.0f} s)")
 
-    summary = summarize(raw, membw, a.max_new_tokens)
+    summary = summarize(raw, membw, a.max_new_tokens, a.reference)
     print_table(summary, membw, ids, a)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
