@@ -264,6 +264,8 @@ class Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv_heads, S, head_dim); a ring cache: S = window + T
+        S = mask.shape[-1]  # the keys the mask covers: prefill skips the cache's empty tail
+        k, v = k[:, :, :S], v[:, :, :S]
         # Grouped-query attention without repeating K/V: fold each KV head's query group into
         # the query length, so one SDPA call reads every cached key once.
         group = nh // nkv
@@ -360,7 +362,7 @@ class Transformer(nn.Module):
         cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
-    def masks(self, input_pos: Tensor, pad: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def masks(self, input_pos: Tensor, pad: Tensor, dtype: torch.dtype, kv_len: int) -> tuple[Tensor, Tensor]:
         """Additive (B, 1, T, S) masks, 0 where a query may attend and -inf elsewhere:
         (global, sliding window). Additive masks run faster than boolean ones in CPU SDPA.
         With a ring cache the sliding mask is (B, 1, T, window + T), over RingKVCache.update's keys."""
@@ -370,7 +372,7 @@ class Transformer(nn.Module):
             causal = (k <= q) & (k >= pad.view(-1, 1, 1))
             return causal | (k == q)  # a padding query sees itself, so its softmax has no empty row
 
-        k = torch.arange(self.max_seq_length, device=input_pos.device).view(1, 1, -1)  # (1, 1, S)
+        k = torch.arange(kv_len, device=input_pos.device).view(1, 1, -1)  # (1, 1, S) the slots in use
         causal = allowed(k)
         window = self.args.sliding_window
         if self.ring_window:
@@ -387,9 +389,11 @@ class Transformer(nn.Module):
         return additive(causal), (additive(local) if window else None)
 
     def forward(self, tokens: Tensor, input_pos: Tensor, pad: Optional[Tensor] = None,
-                last_logits_only: bool = False) -> Tensor:
+                last_logits_only: bool = False, kv_len: Optional[int] = None) -> Tensor:
         """tokens: (B, T) ids written at cache slots input_pos (T,); pad: (B,) left-padding per
-        row. Returns float logits (B, T, vocab), or (B, 1, vocab) for the last position only."""
+        row; kv_len: cache slots in use after this chunk, when the caller knows it (prefill), so
+        attention skips the empty rest of the cache. Returns float logits (B, T, vocab), or
+        (B, 1, vocab) for the last position only."""
         assert self.max_seq_length > 0, "call setup_caches() first"
         B = tokens.shape[0]
         if pad is None:
@@ -400,7 +404,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         if self.args.embedding_scale:  # the scale rounded to the model dtype first, as Gemma's reference does
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
-        masks = self.masks(input_pos, pad, x.dtype)
+        masks = self.masks(input_pos, pad, x.dtype, kv_len or self.max_seq_length)
         for layer in self.layers:
             c, s = local_rope if layer.attention.sliding else (cos, sin)
             x = layer(x, c, s, masks, input_pos)
