@@ -395,6 +395,17 @@ def write_json(path: Path, obj):
     os.replace(tmp, path)  # never leave a half-written file behind
 
 
+def warm_up(engine: Engine, prompts: list, s: Sampling, n: int = 3):
+    """Compile before the first sample, so that its metrics measure generation, not compilation."""
+    if engine.decode_one_token is decode_one_token and engine.prefill is prefill:
+        return
+    log("compiling (about a minute the first time, cached on disk afterwards"
+        "; every run with --compile_mode max)...")
+    t0 = time.perf_counter()
+    engine.generate(prompts, n, s)  # prefill + decode steps: the compiled graph runs from the second on
+    log(f"compiled in {time.perf_counter() - t0:.1f} s")
+
+
 def encode_prompts(tok, a) -> list:
     from tokenizer import TokenizerError
     texts = a.prompt or ["Hello, my name is"]
@@ -462,11 +473,13 @@ def main(argv=None):
 
     if a.interactive:
         engine.setup(1, a.max_seq_length or 4096)
+        warm_up(engine, [[0]], s)
         all_metrics = run_interactive(engine, tok, a, s)
     else:
         longest = max(len(p) for p in prompts)
         # round up so that nearby lengths share one compiled graph
         engine.setup(len(prompts), a.max_seq_length or -(-(longest + a.max_new_tokens) // 256) * 256)
+        warm_up(engine, prompts, s, min(3, a.max_new_tokens))
         all_metrics = []
         for i in range(a.num_samples):
             profiling = a.profile is not None and i == a.num_samples - 1
@@ -483,8 +496,6 @@ def main(argv=None):
                 prof.export_chrome_trace(str(a.profile))
                 log(f"wrote profiler trace to {a.profile}")
             m = metrics(stats, model, device, len(prompts))
-            if a.compile and i == 0:
-                log("(the first sample includes compilation)")
             print_metrics(m)
             all_metrics.append(m)
     if a.metrics_json:
