@@ -26,6 +26,15 @@ def smollm2_dir() -> Path:
     return SMOLLM2
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: thread start-up costs more than it saves, and far more on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def random_model(seed=0, std=0.3, **overrides):
     """A tiny random Transformer whose weights are large enough that greedy decoding is not degenerate."""
     from model import ModelArgs, Transformer

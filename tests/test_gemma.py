@@ -28,11 +28,8 @@ WINDOW = 8
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def tiny_gemma3(seed=0, **overrides):

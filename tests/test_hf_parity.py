@@ -103,12 +103,8 @@ def load_ours(ckpt_dir) -> Transformer:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: thread start-up costs more than it saves, and far more on a busy machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
