@@ -233,6 +233,7 @@ class Engine:
             if all(done):
                 break
             input_pos = torch.tensor([pos], device=dev)
+            # clone: under CUDA graphs the next replay overwrites the previous step's output buffer
             cur = self.decode_one_token(self.model, cur.clone(), input_pos, pad, s)
             accept(cur.view(-1).tolist())  # the host needs the tokens anyway: to stop at EOS and to print
             times.append(time.perf_counter())
