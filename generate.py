@@ -36,10 +36,11 @@ def log(*args):
 
 # ---------------------------------------------------------------- loading
 
-def load_model(checkpoint_dir, device="cpu", dtype=torch.float32) -> Transformer:
-    """checkpoint dir -> ModelArgs + weights -> Transformer on `device` in `dtype` (eval mode)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None) -> Transformer:
+    """checkpoint dir -> ModelArgs + weights -> Transformer on `device` in `dtype` (eval mode).
+    A quantized checkpoint (config.json names its scheme) gets quantize.py's linear layers; with
+    `tp` (tp.py), this process builds and reads only its shard of each weight."""
+    from safetensors import SafetensorError, safe_open
 
     ckpt = Path(checkpoint_dir)
     if not ckpt.is_dir():
@@ -48,36 +49,49 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32) -> Transformer
         args = ModelArgs.from_json(ckpt / "config.json")
     except (ConfigError, TypeError) as e:
         raise UserError(f"{ckpt}/config.json: {e}") from None
-    if args.quantization:
-        raise UserError(f"{ckpt} holds a quantized checkpoint ({args.quantization.get('mode')}), "
-                        "which this version cannot load")
     weights = ckpt / "model.safetensors"
     if not weights.is_file():
         raise UserError(f"{weights} not found")
-    try:
-        state = load_file(weights)  # memory-mapped; tensors are materialized once, below
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{weights} is unreadable or truncated ({e})") from None
 
     with torch.device("meta"):  # no random init: every weight comes from the file
         model = Transformer(args)
+    if args.quantization:
+        import quantize  # quantized layers live in quantize.py; model.py does not know them
+        try:
+            quantize.use_quantized_layers(model, args.quantization)
+        except quantize.QuantizeError as e:
+            raise UserError(f"{ckpt}/config.json: {e}") from None
+    if tp is not None:
+        tp.shard_modules(model)  # shrink the sharded layers to this rank's part
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if args.tie_word_embeddings:
-        expected.pop("output.weight")
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing:
-        raise UserError(f"{weights} lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
-    if unexpected:
-        raise UserError(f"{weights} has {len(unexpected)} unexpected weights, e.g. {', '.join(unexpected[:3])}")
-    for name, shape in expected.items():
-        if state[name].shape != shape:
-            raise UserError(f"{weights}: {name} has shape {tuple(state[name].shape)}, "
-                            f"config.json implies {tuple(shape)}")
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+        expected = {k: v for k, v in expected.items() if not k.startswith("output.")}
+    state = {}
+    try:
+        with safe_open(weights, framework="pt") as f:  # memory-mapped: only what is read is loaded
+            names = set(f.keys())
+            missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+            if missing:
+                raise UserError(f"{weights} lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
+            if unexpected:
+                raise UserError(f"{weights} has {len(unexpected)} unexpected weights, "
+                                f"e.g. {', '.join(unexpected[:3])}")
+            for name, shape in expected.items():
+                t = tp.read(f, name) if tp is not None else f.get_tensor(name)
+                if t.shape != shape:
+                    raise UserError(f"{weights}: {name} has shape {tuple(t.shape)}, "
+                                    f"config.json implies {tuple(shape)}")
+                # floating tensors take the requested dtype; quantized integers stay as they are
+                state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{weights} is unreadable or truncated ({e})") from None
     model.load_state_dict(state, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
+        if args.quantization:
+            quantize.tie_scales(model)
+    if args.quantization:
+        quantize.prepare_for_device(model)  # pack the weights for this device's fast kernel
     return model.eval()
 
 
