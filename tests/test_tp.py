@@ -1,0 +1,275 @@
+"""Tensor parallelism (tp.py) on CPU with gloo: sharded runs under torchrun against one process.
+
+Each torchrun job (tests/tp_worker.py) runs several cases, since starting one costs seconds:
+tiny random Llama-family and Gemma-family models on 2 ranks (float, int8 when quantize.py is
+there, batch 1 and a batch of 2 different prompts, one compiled), SmolLM2-135M on 3 ranks, the
+generate.py command line on 2 ranks, and ranks that fail.
+
+Run: python -m pytest -q tests/test_tp.py
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, random_model, save_checkpoint
+from generate import load_model
+from test_gemma import tiny_gemma3
+from tp import PLAN, TensorParallel, TPError, head_split, sharded_bytes
+from tp_worker import run_case
+
+GOLDEN = Path(__file__).parent / "golden" / "smollm2-135m.json"
+PROMPTS_B1 = [[5, 17, 3, 200, 42, 9, 11]]
+PROMPTS_B2 = [[5, 17, 3, 200, 42, 9, 11, 250, 7, 1, 30], [99, 4, 64, 128]]  # left-padded by 7
+STEPS = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def torchrun(n: int, *args, timeout=600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="60")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                           *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run_worker(n: int, cases: list, tmp: Path, *extra) -> dict:
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    r = torchrun(n, "tests/tp_worker.py", "--cases", tmp / "cases.json", "--out", tmp / "result.pt", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(tmp / "result.pt")
+
+
+def quantized(ckpt: Path, mode="int8") -> Path:
+    out = ckpt.with_name(f"{ckpt.name}-{mode}")
+    r = subprocess.run([sys.executable, "quantize.py", "--checkpoint", ckpt, "--mode", mode, "--out", out],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def have_quantize() -> bool:
+    return (ROOT / "quantize.py").exists()
+
+
+def tiny_models(tmp: Path) -> dict:
+    """name -> checkpoint: GQA Llama with q/k/v biases and a tied head, Gemma 3 with one KV head
+    (replicated on both ranks) and a sliding window shorter than the prompts, and a Llama with 3
+    KV heads that 2 ranks split unevenly (2 + 1 query groups), like SmolLM2."""
+    models = {
+        "llama": random_model(seed=1, n_heads=4, n_kv_heads=2, attention_bias=True, tie_word_embeddings=True),
+        "gemma": tiny_gemma3(seed=2, n_heads=4, n_kv_heads=1),
+        "uneven": random_model(seed=3, n_heads=6, n_kv_heads=3, head_dim=16, intermediate_size=96),
+    }
+    return {name: save_checkpoint(m, tmp / name) for name, m in models.items()}
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """One 2-rank job over every tiny case; returns (cases, results)."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    ckpts = tiny_models(tmp)
+    if have_quantize():
+        ckpts.update({f"{name}-int8": quantized(ckpts[name]) for name in ("llama", "gemma")})
+    cases = [dict(name=f"{name}-b{len(prompts)}", checkpoint=str(ckpt), prompts=prompts, steps=STEPS)
+             for name, ckpt in ckpts.items() for prompts in (PROMPTS_B1, PROMPTS_B2)]
+    cases.append(dict(name="llama-compiled", checkpoint=str(ckpts["llama"]), prompts=PROMPTS_B1, steps=STEPS,
+                      compile=True))
+    return {c["name"]: c for c in cases}, run_worker(2, cases, tmp)
+
+
+def assert_matches_single_process(case: dict, result: dict):
+    ref = run_case(load_model(case["checkpoint"]), case["prompts"], case["steps"])
+    assert torch.equal(result["tokens"], ref["tokens"]), f"{case['name']}: greedy tokens differ"
+    assert len(result["logits"]) == len(ref["logits"])
+    for step, (a, b) in enumerate(zip(result["logits"], ref["logits"])):
+        assert b.std() > 0.5  # not a degenerate model
+        diff = (a - b).abs().max().item()
+        assert diff <= 1e-4, f"{case['name']}: logits of step {step} differ by {diff:.2e}"
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "uneven"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tp2_matches_single_process(tp2, name, batch):
+    cases, results = tp2
+    key = f"{name}-b{batch}"
+    assert_matches_single_process(cases[key], results[key])
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tp2_int8_matches_single_process(tp2, name, batch):
+    if not have_quantize():
+        pytest.skip("quantize.py is not in this tree yet")
+    cases, results = tp2
+    key = f"{name}-int8-b{batch}"
+    assert_matches_single_process(cases[key], results[key])
+
+
+def test_tp2_compiled_decode_matches_single_process(tp2):
+    """generate.Engine's compiled decode step traces the all-reduce (fullgraph: no graph break)."""
+    cases, results = tp2
+    case = cases["llama-compiled"]
+    ref = run_case(load_model(case["checkpoint"]), case["prompts"], case["steps"])
+    assert results["llama-compiled"]["tokens"].tolist() == ref["tokens"].tolist()
+
+
+def test_tp2_heads_and_bytes_per_rank(tp2):
+    """Each rank holds half of every sharded weight (the replicated rest whole); the uneven split
+    gives rank 0 two of the three query groups and splits the feed-forward evenly."""
+    cases, results = tp2
+    sharded, replicated = sharded_bytes(load_model(cases["llama-b1"]["checkpoint"]))
+    assert results["llama-b1"]["bytes"] == [(sharded // 2, replicated)] * 2
+    assert results["llama-b1"]["n_heads"][0][0] == (2, 1)
+    assert results["gemma-b1"]["n_heads"][1][0] == (2, 1)  # the one KV head replicated, 2 query heads each
+    assert results["uneven-b1"]["n_heads"][0][0] == (4, 2) and results["uneven-b1"]["n_heads"][1][0] == (2, 1)
+    sharded, replicated = sharded_bytes(load_model(cases["uneven-b1"]["checkpoint"]))
+    assert sum(s for s, _ in results["uneven-b1"]["bytes"]) == sharded
+
+
+def test_tp3_smollm2_matches_single_process(smollm2_dir, tmp_path):
+    """SmolLM2-135M (9 query heads, 3 KV heads) on 3 ranks: one KV head each, 1/3 of every
+    sharded weight per rank, same tokens and logits as one process, batch of 2 prompts."""
+    from tokenizer import Tokenizer
+    tok = Tokenizer(smollm2_dir)
+    prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n   ")]
+    case = dict(name="smollm2", checkpoint=str(smollm2_dir), prompts=prompts, steps=3)
+    result = run_worker(3, [case], tmp_path)["smollm2"]
+    assert_matches_single_process(case, result)
+    sharded, replicated = sharded_bytes(load_model(smollm2_dir))
+    assert result["bytes"] == [(sharded // 3, replicated)] * 3
+    assert result["n_heads"] == [[(3, 1)] * 30] * 3
+
+
+def test_cli_tp2_prints_once_and_matches_single_process(smollm2_dir, tmp_path):
+    """torchrun + generate.py on 2 ranks (SmolLM2's 9 heads split 6 + 3): the golden greedy text,
+    printed once, and rank 0's metrics with every rank's memory."""
+    golden = json.loads(GOLDEN.read_text())[0]
+    metrics = tmp_path / "m.json"
+    r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, "--prompt", golden["prompt"], "--no-compile",
+                 "--max_new_tokens", golden["max_new_tokens"], "--metrics_json", metrics)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == golden["output_text"] + "\n"
+    assert r.stderr.count("decode ") == 1  # only rank 0 logs
+    (m,) = json.loads(metrics.read_text())
+    assert m["tp_world_size"] == 2 and len(m["peak_memory_bytes_per_rank"]) == 2
+    assert m["all_reduces_per_step"] == 60 and m["all_reduce_bytes_per_step"] == 60 * 576 * 4
+
+
+def test_cli_tp2_bad_checkpoint_ends_the_job_with_one_message(smollm2_dir, tmp_path):
+    model = random_model(seed=4, vocab_size=49152, dim=32, intermediate_size=64)
+    ckpt = save_checkpoint(model, tmp_path / "bad", tokenizer_from=smollm2_dir)
+    from safetensors.torch import load_file, save_file
+    state = load_file(ckpt / "model.safetensors")
+    state["layers.1.feed_forward.w1.weight"] = state["layers.1.feed_forward.w1.weight"][:-1].contiguous()
+    save_file(state, ckpt / "model.safetensors")
+    r = torchrun(2, "generate.py", "--checkpoint", ckpt, "--prompt", "Hi", "--no-compile", "--max_new_tokens", 4,
+                 timeout=120)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: rank 0 (and 1 more ranks): layers.1.feed_forward.w1.weight has shape (63, 32) "
+                      "in the checkpoint, config.json implies (64, 32)"], r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("how", ["fail_rank", "crash_rank"])
+def test_a_failing_rank_ends_the_job(tmp_path, how):
+    """fail_rank: rank 1 raises MemoryError while loading: all ranks stop, rank 0 says why.
+    crash_rank: rank 1 dies without a word after loading, rank 0 waits in an all-reduce:
+    torchrun ends the job. Both within seconds, with a non-zero status."""
+    ckpt = save_checkpoint(random_model(), tmp_path / "m")
+    (tmp_path / "cases.json").write_text(json.dumps([dict(name="m", checkpoint=str(ckpt), prompts=PROMPTS_B1,
+                                                          steps=2)]))
+    t0 = time.monotonic()
+    r = torchrun(2, "tests/tp_worker.py", "--cases", tmp_path / "cases.json", "--out", tmp_path / "r.pt",
+                 f"--{how}", 1, timeout=120)
+    assert r.returncode != 0 and time.monotonic() - t0 < 90
+    if how == "fail_rank":
+        assert "TPError: rank 1: MemoryError: cannot allocate the shard (injected)" in r.stderr, r.stderr[-3000:]
+    else:
+        assert "exitcode  : 3" in r.stderr, r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- the plan itself, in one process
+
+def test_head_split():
+    # SmolLM2: 9 query heads, 3 KV heads
+    assert [head_split(9, 3, 3, r) for r in range(3)] == [(0, 3, 0, 1), (3, 3, 1, 1), (6, 3, 2, 1)]
+    assert [head_split(9, 3, 2, r) for r in range(2)] == [(0, 6, 0, 2), (6, 3, 2, 1)]  # whole query groups
+    # multi-query (Gemma 3 270M: 4 query heads, 1 KV head): the KV head on every rank
+    assert [head_split(4, 1, 2, r) for r in range(2)] == [(0, 2, 0, 1), (2, 2, 0, 1)]
+    assert [head_split(8, 2, 4, r) for r in range(4)] == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]
+    with pytest.raises(TPError, match="cannot split 4 query heads and 2 KV heads over 3 ranks"):
+        head_split(4, 2, 3, 0)
+    with pytest.raises(TPError, match="cannot split 9 query heads and 3 KV heads over 6 ranks"):
+        head_split(9, 3, 6, 0)
+
+
+def write_int4_layer(path: Path, out_f: int, in_f: int, group: int, padded_in: int = None):
+    """A quantize.py-style int4 row-wise layer on disk: packed weight (out, in/2), group-wise scales and zeros."""
+    from safetensors.torch import save_file
+    padded_in = padded_in or in_f
+    g = torch.Generator().manual_seed(0)
+    t = {"layers.0.feed_forward.w2.weight": torch.randint(0, 255, (out_f, padded_in // 2), generator=g,
+                                                          dtype=torch.uint8),
+         "layers.0.feed_forward.w2.scales": torch.rand(out_f, padded_in // group, generator=g),
+         "layers.0.feed_forward.w2.zeros": torch.rand(out_f, padded_in // group, generator=g)}
+    save_file(t, path)
+    return t
+
+
+def int4_meta_model(intermediate_size: int, group: int):
+    """A meta-device model whose w2 has the on-disk int4 tensors, as quantize.py's layers would."""
+    from model import ModelArgs, Transformer
+    args = ModelArgs(vocab_size=16, dim=32, n_layers=1, n_heads=6, head_dim=16, intermediate_size=intermediate_size,
+                     quantization={"mode": "int4", "groupsize": group})
+    with torch.device("meta"):
+        model = Transformer(args)
+        w2 = model.layers[0].feed_forward.w2
+        out_f, in_f = w2.weight.shape
+        w2.weight = torch.nn.Parameter(torch.empty(out_f, in_f // 2, dtype=torch.uint8), requires_grad=False)
+        w2.register_buffer("scales", torch.empty(out_f, in_f // group))
+        w2.register_buffer("zeros", torch.empty(out_f, in_f // group))
+    return model
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_int4_rowwise_split_falls_on_group_boundaries(tmp_path, world):
+    """Each rank's packed weight, scales and zeros of w2 are its columns of whole groups, and the
+    ranks' parts put together are the whole tensors."""
+    from safetensors import safe_open
+    full = write_int4_layer(tmp_path / "w.safetensors", 32, 96, 16)
+    parts = {name: [] for name in full}
+    for rank in range(world):
+        tp = TensorParallel(rank, world, group=object())  # no process group needed to read
+        model = int4_meta_model(96, 16)
+        tp.shard_modules(model)
+        local = model.state_dict()
+        with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+            for name in full:
+                parts[name].append(tp.read(f, name))
+                assert parts[name][-1].shape == local[name].shape
+    for name, t in full.items():
+        assert torch.equal(torch.cat(parts[name], dim=1), t)
+    n_groups = 96 // 16  # 6 groups: 3 + 3 or 2 + 2 + 2
+    assert [p.shape[1] for p in parts["layers.0.feed_forward.w2.scales"]] == [n_groups // world] * world
+    assert [p.shape[1] for p in parts["layers.0.feed_forward.w2.weight"]] == [48 // world] * world
+
+
+def test_int4_padded_input_features_are_refused():
+    with pytest.raises(TPError, match="feed_forward.w2: its 88 input features are padded"):
+        TensorParallel(0, 2, group=object()).shard_modules(int4_meta_model(88, 16))
+
+
+def test_plan_names_existing_modules():
+    """A renamed layer in model.py would silently be replicated: the plan must match real names."""
+    model = random_model()
+    names = {n for n, _ in model.named_modules()}
+    for suffix in PLAN:
+        assert f"layers.0.{suffix}" in names

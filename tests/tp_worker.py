@@ -1,0 +1,75 @@
+"""One torchrun job for tests/test_tp.py: every rank loads its shard of each case's checkpoint,
+runs prefill and a few greedy decode steps (eager, or through generate.Engine with the compiled
+step), and rank 0 writes the logits, tokens and per-rank bytes of every case to --out.
+
+    torchrun --standalone --nproc_per_node=2 tests/tp_worker.py --cases cases.json --out result.pt
+
+cases.json: [{"name", "checkpoint", "prompts": [[ids], ...], "steps", "compile"}, ...]
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tp as tplib  # noqa: E402
+from generate import Engine, Sampling, load_model  # noqa: E402
+
+
+@torch.inference_mode()
+def run_case(model, prompts: list, steps: int, compile: bool = False) -> dict:
+    """Greedy tokens (B, steps + 1) and the float logits of prefill (every position) and of each
+    decode step, for left-padded prompts; with compile, the tokens come from Engine.generate's
+    compiled decode step and the logits from prefill only."""
+    B, T = len(prompts), max(len(p) for p in prompts)
+    model.setup_caches(B, T + steps + 1)
+    if compile:
+        engine = Engine(model, compile=True)
+        engine.generate(prompts, 3, Sampling())  # warm up: compile
+        outs, _ = engine.generate(prompts, steps + 1, Sampling())
+        return {"tokens": torch.tensor(outs), "logits": []}
+    pad = torch.tensor([T - len(p) for p in prompts])
+    tokens = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts])
+    logits = [model(tokens, torch.arange(T), pad)]  # (B, T, vocab)
+    cur = logits[-1][:, -1].argmax(-1, keepdim=True)
+    out = [cur]
+    for i in range(steps):
+        logits.append(model(cur, torch.tensor([T + i]), pad))
+        cur = logits[-1][:, -1].argmax(-1, keepdim=True)
+        out.append(cur)
+    return {"tokens": torch.cat(out, 1), "logits": logits}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--fail_rank", type=int, default=None, help="this rank runs out of memory while loading")
+    p.add_argument("--crash_rank", type=int, default=None, help="this rank dies after loading")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    tp, _ = tplib.init_from_env("cpu")
+    results = {}
+
+    def load(checkpoint):
+        if tp.rank == a.fail_rank:
+            raise MemoryError("cannot allocate the shard (injected)")
+        return load_model(checkpoint, "cpu", torch.float32, tp=tp)
+
+    for case in json.loads(a.cases.read_text()):
+        model = tp.all_ranks_ok(load, case["checkpoint"])
+        if tp.rank == a.crash_rank:
+            os._exit(3)  # no exception, no message: the others are left in their next all-reduce
+        r = run_case(model, case["prompts"], case["steps"], case.get("compile", False))
+        r["bytes"] = tp.gather(tplib.sharded_bytes(model, tp))  # [(sharded, replicated)] per rank
+        r["n_heads"] = tp.gather([(layer.attention.n_heads, layer.attention.n_kv_heads) for layer in model.layers])
+        results[case["name"]] = r
+    if tp.rank == 0:
+        torch.save(results, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Tensor parallelism: every rank holds 1/N of each large weight and the ranks all-reduce twice
+per layer (Megatron-LM, Shoeybi et al. 2019, section 3).
+
+    torchrun --standalone --nproc_per_node=2 generate.py --checkpoint checkpoints/smollm2-135m --prompt "Hi"
+
+The split is a per-module plan (as torchtitan writes it): `PLAN` names, for each linear layer of a
+`TransformerBlock`, whether its output features (column-wise) or its input features (row-wise) are
+split. Attention is split by heads, the feed-forward by its hidden dimension; a column-wise layer
+feeds the row-wise one after it, so the activations between them stay local, and only the row-wise
+layer's partial sums need an all-reduce. Everything else (embedding, norms, output head) is
+replicated.
+
+Quantized checkpoints (quantize.py) are split in their on-disk layout, generically: a column-wise
+layer splits every tensor along dim 0; a row-wise layer splits its 2-D tensors along dim 1 (packed
+int4 weights and group-wise scales included, at group boundaries) and replicates 1-D per-channel
+scales; a row-wise bias is kept by rank 0 only, so the all-reduce adds it once.
+
+model.py knows nothing of this: `shard_modules` shrinks the meta-device model's sharded tensors
+and attention head counts before loading, `read` slices each tensor from the memory-mapped
+safetensors file, so a rank materializes only its own shard, and a forward hook all-reduces the
+output of each row-wise layer through functional collectives, which torch.compile can trace.
+"""
+import atexit
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+# module name suffix -> how its weight is split; every other tensor is replicated
+PLAN = {
+    "attention.wqkv": "colwise_heads",  # q, k and v row blocks, each split by heads
+    "attention.wo": "rowwise_heads",  # input features are the heads' outputs
+    "feed_forward.w1": "colwise",  # gate
+    "feed_forward.w3": "colwise",  # up
+    "feed_forward.w2": "rowwise",  # down: partial sums over the hidden dimension, all-reduced
+}
+
+TIMEOUT_S = int(os.environ.get("MINILLM_TP_TIMEOUT_S", "600"))  # a collective waits this long for a missing rank
+
+
+class TPError(RuntimeError):
+    """A model that cannot be split this way, or a rank that failed: printed as one line."""
+
+
+def split_evenly(n: int, parts: int, i: int) -> tuple[int, int]:
+    """(start, count) of part i when n items go to `parts` parts; the first n % parts get one more."""
+    base, extra = divmod(n, parts)
+    return i * base + min(i, extra), base + (i < extra)
+
+
+def head_split(n_heads: int, n_kv_heads: int, world: int, rank: int) -> tuple[int, int, int, int]:
+    """(first query head, query heads, first KV head, KV heads) of this rank.
+
+    With at least as many KV heads as ranks, each rank takes whole query groups (a KV head and the
+    query heads that read it), as evenly as possible: SmolLM2's 3 KV heads on 2 ranks split 2 + 1
+    (6 + 3 query heads). Splitting 5 + 4 would leave a rank with groups of unequal size, which the
+    model's grouped-query attention (one SDPA call over equal groups) cannot run. With fewer KV
+    heads than ranks (multi-query), each KV head is replicated on world / n_kv_heads ranks, which
+    split its query group."""
+    group = n_heads // n_kv_heads
+    if n_kv_heads >= world:
+        kv0, n_kv = split_evenly(n_kv_heads, world, rank)
+        return kv0 * group, n_kv * group, kv0, n_kv
+    sharing = world // n_kv_heads  # ranks that replicate one KV head
+    if world % n_kv_heads or group % sharing:
+        raise TPError(f"cannot split {n_heads} query heads and {n_kv_heads} KV heads over {world} ranks: "
+                      f"with fewer KV heads than ranks, the ranks must be a multiple of the KV heads "
+                      f"({n_kv_heads}) that divides the query heads per KV head ({group})")
+    q_per_rank = group // sharing
+    kv = rank // sharing
+    return kv * group + (rank % sharing) * q_per_rank, q_per_rank, kv, 1
+
+
+@dataclass
+class Shard:
+    """The part of one linear layer that this rank holds, in the layer's logical features."""
+    rowwise: bool  # False: output features split (dim 0); True: input features split (dim 1)
+    ranges: list  # [(start, stop), ...] of the split features, concatenated in this order
+    features: int  # the layer's full number of output (column-wise) or input (row-wise) features
+
+
+class TensorParallel:
+    """This rank's place in the group and its shard of each layer named in PLAN."""
+
+    def __init__(self, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None):
+        self.rank, self.world_size = rank, world_size
+        self.group = group if group is not None else dist.group.WORLD
+        self.shards: dict[str, Shard] = {}  # module name -> Shard, filled by shard_modules
+        self.full_shapes: dict[str, tuple] = {}  # tensor name -> shape in the checkpoint
+
+    # ---------------------------------------------------------------- the plan, before loading
+
+    def shard_modules(self, model: nn.Module):
+        """On the meta-device model: shrink each sharded layer's tensors to this rank's part, set
+        each attention's local head counts, and hook an all-reduce after every row-wise layer."""
+        args = model.args
+        hd, I = args.head_dim, args.intermediate_size
+        q0, nq, kv0, nkv = head_split(args.n_heads, args.n_kv_heads, self.world_size, self.rank)
+        q_rows, kv_rows = args.n_heads * hd, args.n_kv_heads * hd
+        heads = Shard(False, [(q0 * hd, (q0 + nq) * hd), (q_rows + kv0 * hd, q_rows + (kv0 + nkv) * hd),
+                              (q_rows + kv_rows + kv0 * hd, q_rows + kv_rows + (kv0 + nkv) * hd)],
+                      q_rows + 2 * kv_rows)
+        # int4 groups run along the input features: w2's split must fall on group boundaries
+        quant = args.quantization or {}
+        unit = quant.get("groupsize", 1) if str(quant.get("mode", "")).startswith("int4") else 1
+        for name, features in (("feed_forward.w2", I), ("attention.wo", q_rows)):
+            if features % unit:
+                raise TPError(f"cannot split {name}: its {features} input features are padded to the int4 "
+                              f"group size {unit}; quantize with a group size that divides {features}")
+        f0, nf = split_evenly(I // unit, self.world_size, self.rank)
+        hidden = [(f0 * unit, (f0 + nf) * unit)]
+        if (q0 * hd) % unit or ((q0 + nq) * hd) % unit:
+            raise TPError(f"cannot split attention.wo at query head {q0} over {self.world_size} ranks: "
+                          f"the int4 group size {unit} does not divide its heads' features")
+        layer_shards = {
+            "colwise_heads": heads,
+            "rowwise_heads": Shard(True, [(q0 * hd, (q0 + nq) * hd)], q_rows),
+            "colwise": Shard(False, hidden, I),
+            "rowwise": Shard(True, hidden, I),
+        }
+        for name, module in model.named_modules():
+            kind = next((k for suffix, k in PLAN.items() if name.endswith(suffix)), None)
+            if kind is None:
+                continue
+            shard = self.shards[name] = layer_shards[kind]
+            for tensors in (module._parameters, module._buffers):
+                for t_name, t in tensors.items():
+                    if t is not None:
+                        self.full_shapes[f"{name}.{t_name}"] = tuple(t.shape)
+                        local = torch.empty(self._local_shape(shard, t_name, t.shape), dtype=t.dtype, device="meta")
+                        tensors[t_name] = nn.Parameter(local, requires_grad=False) if isinstance(t, nn.Parameter) else local
+            if shard.rowwise:
+                module.register_forward_hook(self._all_reduce_hook)
+            for attr in ("out_features", "in_features"):  # nn.Linear's bookkeeping, for repr
+                if hasattr(module, attr) and (attr == "in_features") == shard.rowwise:
+                    setattr(module, attr, sum(b - a for a, b in shard.ranges))
+        for layer in model.layers:
+            layer.attention.n_heads, layer.attention.n_kv_heads = nq, nkv
+
+    def _all_reduce_hook(self, module, inputs, output):
+        # the whole output, every batch row: each rank holds a partial sum over its input features
+        return funcol.all_reduce(output, "sum", self.group)
+
+    def _slices(self, shard: Shard, t_name: str, shape) -> tuple[Optional[int], list]:
+        """(dim, [(start, stop), ...]) of this rank's part of a tensor of the layer, in the
+        tensor's own coordinates; dim None: the whole tensor (replicated)."""
+        dim = 1 if shard.rowwise else 0
+        if len(shape) <= dim:  # a row-wise layer's 1-D tensors: per-output-channel scales, or a bias
+            return None, []
+        size = shape[dim]
+        unit = shard.features // size  # features per element: 1, 2 for packed int4, the group size for scales
+        if unit * size != shard.features:
+            raise TPError(f"{t_name} of shape {tuple(shape)} does not cover the layer's {shard.features} "
+                          f"{'input' if shard.rowwise else 'output'} features evenly (padded?); cannot split it")
+        for a, b in shard.ranges:
+            if a % unit or b % unit:
+                raise TPError(f"{t_name}: the split at feature {a if a % unit else b} is not on a boundary of "
+                              f"its {unit}-feature groups")
+        return dim, [(a // unit, b // unit) for a, b in shard.ranges]
+
+    def _local_shape(self, shard: Shard, t_name: str, shape) -> tuple:
+        dim, ranges = self._slices(shard, t_name, shape)
+        if dim is None:
+            return tuple(shape)
+        out = list(shape)
+        out[dim] = sum(b - a for a, b in ranges)
+        return tuple(out)
+
+    # ---------------------------------------------------------------- loading
+
+    def read(self, f, name: str) -> torch.Tensor:
+        """This rank's part of tensor `name` from an open safetensors file (safe_open): only
+        the slice is read from disk."""
+        module, _, t_name = name.rpartition(".")
+        shard = self.shards.get(module)
+        if shard is None:
+            return f.get_tensor(name)
+        sl = f.get_slice(name)
+        full = self.full_shapes.get(name)
+        if full is not None and tuple(sl.get_shape()) != full:
+            raise TPError(f"{name} has shape {tuple(sl.get_shape())} in the checkpoint, config.json implies {full}")
+        dim, ranges = self._slices(shard, name, sl.get_shape())
+        if dim is None:
+            t = sl[:]
+            if shard.rowwise and t_name == "bias" and self.rank != 0:
+                t = torch.zeros_like(t)  # rank 0 adds the bias; the all-reduce sums it once
+            return t
+        parts = [sl[a:b] if dim == 0 else sl[:, a:b] for a, b in ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    # ---------------------------------------------------------------- running as a group
+
+    def all_ranks_ok(self, fn: Callable, *args, **kwargs):
+        """Run fn on every rank and agree on the outcome before anyone goes on: if a rank fails
+        (a bad shard, out of memory), every rank raises TPError naming it, instead of the others
+        waiting forever in their next collective."""
+        try:
+            result, error = fn(*args, **kwargs), None
+        except Exception as e:  # noqa: BLE001: reported by every rank, then raised there
+            result, error = None, str(e) if isinstance(e, (ValueError, RuntimeError, OSError)) and str(e) \
+                else f"{type(e).__name__}: {e}"
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            r, e = failed[0]
+            if self.rank != 0:
+                # wait here until rank 0 has printed the message and exited (the barrier then
+                # fails), so that torchrun does not tear rank 0 down before it says why
+                try:
+                    dist.barrier(group=self.group)
+                except Exception:  # noqa: BLE001: rank 0 is gone, as expected
+                    pass
+            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+            raise TPError(f"rank {r}{more}: {e}")
+        return result
+
+    def same_seed(self, seed: Optional[int]) -> int:
+        """One sampling seed for every rank (rank 0's), so that every rank samples the same tokens."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        t = torch.tensor([seed], dtype=torch.int64)
+        dist.broadcast(t, 0, group=self.group)
+        return int(t.item())
+
+    def gather(self, value) -> list:
+        """value from every rank, in rank order (e.g. per-rank memory for the metrics)."""
+        out = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def rank_metrics(self, m: dict, model: nn.Module) -> dict:
+        """Per-rank memory and weights, and what a decode step sends: two all-reduces per layer
+        of (batch, 1, dim) activations (a collective on every rank: call it on all of them)."""
+        elem = model.norm.weight.element_size()  # activations are in the model dtype
+        n = 2 * len(model.layers)
+        return {
+            "tp_world_size": self.world_size,
+            "peak_memory_bytes_per_rank": self.gather(m["peak_memory_bytes"]),
+            "weight_bytes_per_rank": self.gather(sum(sharded_bytes(model))),
+            # peak RSS also counts the checkpoint's memory-mapped pages that a rank touched
+            # (reclaimable page cache); anonymous memory is what the rank itself holds
+            "rss_anon_bytes_per_rank": self.gather(rss_anon_bytes()),
+            "all_reduces_per_step": n,
+            "all_reduce_bytes_per_step": n * model.max_batch_size * model.args.dim * elem,
+        }
+
+
+def init_from_env(device: str = "cpu") -> tuple[Optional[TensorParallel], str]:
+    """(TensorParallel, device) when launched by torchrun with WORLD_SIZE > 1, else (None, device).
+
+    Reads torchrun's standard environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT), so it runs across nodes as well: gloo on CPU, nccl on CUDA with one device per
+    local rank. Ranks other than 0 print nothing but their own crash."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None, device
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    cuda = device.startswith("cuda")
+    if cuda:
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        # the timeout bounds how long a rank waits in a collective for one that died
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=TIMEOUT_S),
+                                device_id=torch.device(device) if cuda else None)
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    if rank != 0:
+        quiet()
+    return TensorParallel(rank, world), device
+
+
+def quiet():
+    """Only rank 0 prints: silence this rank's stdout and stderr, but still show its crash."""
+    rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+    err = sys.__stderr__
+
+    def excepthook(kind, value, tb):
+        if not issubclass(kind, (TPError, KeyboardInterrupt)):  # TPError: rank 0 already says which rank
+            import traceback
+            err.write(f"[rank {rank}] " + "".join(traceback.format_exception(kind, value, tb)))
+            err.flush()
+
+    sys.excepthook = excepthook
+    sys.stdout = sys.stderr = open(os.devnull, "w")
+
+
+def rss_anon_bytes() -> Optional[int]:
+    """This process's anonymous resident memory now (Linux), without file-backed pages."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def sharded_bytes(model: nn.Module, tp: Optional[TensorParallel] = None) -> tuple[int, int]:
+    """(bytes in the tensors that the plan shards, bytes in the replicated ones) of a model: with
+    tp, of this rank's loaded shard; the sharded part is 1/N of the single-process one when the
+    heads and the hidden dimension divide evenly."""
+    sharded = set()
+    for name, module in model.named_modules():
+        if any(name.endswith(suffix) for suffix in PLAN):
+            sharded.update(id(t) for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
+    buffers = [b for n, b in model.named_buffers() if "cache" not in n and "inv_freq" not in n]  # weights only
+    tensors = {id(t): t for t in list(model.parameters()) + buffers}
+    nbytes = lambda ids: sum(t.numel() * t.element_size() for i, t in tensors.items() if i in ids)  # noqa: E731
+    return nbytes(sharded), nbytes(set(tensors) - sharded)
