@@ -88,8 +88,8 @@ class Shard:
 class TensorParallel:
     """This rank's place in the group and its shard of each layer named in PLAN."""
 
-    def __init__(self, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None, device="cpu"):
+        self.rank, self.world_size, self.device = rank, world_size, device
         self.group = group if group is not None else dist.group.WORLD
         self.shards: dict[str, Shard] = {}  # module name -> Shard, filled by shard_modules
         self.full_shapes: dict[str, tuple] = {}  # tensor name -> shape in the checkpoint
@@ -135,7 +135,7 @@ class TensorParallel:
                         self.full_shapes[f"{name}.{t_name}"] = tuple(t.shape)
                         local = torch.empty(self._local_shape(shard, t_name, t.shape), dtype=t.dtype, device="meta")
                         tensors[t_name] = nn.Parameter(local, requires_grad=False) if isinstance(t, nn.Parameter) else local
-            if shard.rowwise:
+            if shard.rowwise and self.world_size > 1:  # one rank holds the whole sum already
                 module.register_forward_hook(self._all_reduce_hook)
             for attr in ("out_features", "in_features"):  # nn.Linear's bookkeeping, for repr
                 if hasattr(module, attr) and (attr == "in_features") == shard.rowwise:
@@ -225,7 +225,7 @@ class TensorParallel:
         """One sampling seed for every rank (rank 0's), so that every rank samples the same tokens."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        t = torch.tensor([seed], dtype=torch.int64)
+        t = torch.tensor([seed], dtype=torch.int64, device=self.device)  # nccl sends only CUDA tensors
         dist.broadcast(t, 0, group=self.group)
         return int(t.item())
 
@@ -253,14 +253,15 @@ class TensorParallel:
 
 
 def init_from_env(device: str = "cpu") -> tuple[Optional[TensorParallel], str]:
-    """(TensorParallel, device) when launched by torchrun with WORLD_SIZE > 1, else (None, device).
+    """(TensorParallel, device) when launched by torchrun, else (None, device).
 
     Reads torchrun's standard environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     MASTER_PORT), so it runs across nodes as well: gloo on CPU, nccl on CUDA with one device per
-    local rank. Ranks other than 0 print nothing but their own crash."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    local rank. Ranks other than 0 print nothing but their own crash. One rank (torchrun
+    --nproc_per_node=1) runs the same path with whole shards: a baseline for N > 1."""
+    if "WORLD_SIZE" not in os.environ:
         return None, device
+    world = int(os.environ["WORLD_SIZE"])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     cuda = device.startswith("cuda")
     if cuda:
@@ -273,7 +274,7 @@ def init_from_env(device: str = "cpu") -> tuple[Optional[TensorParallel], str]:
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if rank != 0:
         quiet()
-    return TensorParallel(rank, world), device
+    return TensorParallel(rank, world, device=device), device
 
 
 def quiet():

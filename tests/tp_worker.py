@@ -4,7 +4,8 @@ step), and rank 0 writes the logits, tokens and per-rank bytes of every case to 
 
     torchrun --standalone --nproc_per_node=2 tests/tp_worker.py --cases cases.json --out result.pt
 
-cases.json: [{"name", "checkpoint", "prompts": [[ids], ...], "steps", "compile"}, ...]
+cases.json: [{"name", "checkpoint", "prompts": [[ids], ...], "steps", "compile",
+               "speculate_k", "draft" (a checkpoint) or "ngram"}, ...]
 """
 import argparse
 import json
@@ -43,6 +44,15 @@ def run_case(model, prompts: list, steps: int, compile: bool = False) -> dict:
     return {"tokens": torch.cat(out, 1), "logits": logits}
 
 
+def run_speculative(model, case: dict, draft=None) -> dict:
+    import speculative
+    (prompt,) = case["prompts"]
+    spec = speculative.build(Engine(model), case["speculate_k"], draft=draft, ngram=case.get("ngram"))
+    spec.setup(1, len(prompt) + case["steps"] + 1 + case["speculate_k"] + 1)
+    (out,), _ = spec.generate([prompt], case["steps"] + 1, Sampling())
+    return {"tokens": torch.tensor([out]), "logits": []}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", type=Path, required=True)
@@ -63,7 +73,10 @@ def main():
         model = tp.all_ranks_ok(load, case["checkpoint"])
         if tp.rank == a.crash_rank:
             os._exit(3)  # no exception, no message: the others are left in their next all-reduce
-        r = run_case(model, case["prompts"], case["steps"], case.get("compile", False))
+        if case.get("speculate_k"):  # greedy speculative decoding, with a sharded draft or n-grams
+            r = run_speculative(model, case, tp.all_ranks_ok(load, case["draft"]) if case.get("draft") else None)
+        else:
+            r = run_case(model, case["prompts"], case["steps"], case.get("compile", False))
         r["bytes"] = tp.gather(tplib.sharded_bytes(model, tp))  # [(sharded, replicated)] per rank
         r["n_heads"] = tp.gather([(layer.attention.n_heads, layer.attention.n_kv_heads) for layer in model.layers])
         results[case["name"]] = r
