@@ -175,13 +175,16 @@ def test_tp3_smollm2_matches_single_process(smollm2_dir, tmp_path):
     assert result["n_heads"] == [[(3, 1)] * 30] * 3
 
 
-def test_cli_tp2_prints_once_and_matches_single_process(smollm2_dir, tmp_path):
+@pytest.mark.parametrize("speculate", [[], ["--ngram", "2", "--speculate_k", "3"]], ids=["plain", "ngram"])
+def test_cli_tp2_prints_once_and_matches_single_process(smollm2_dir, tmp_path, speculate):
     """torchrun + generate.py on 2 ranks (SmolLM2's 9 heads split 6 + 3): the golden greedy text,
-    printed once, and rank 0's metrics with every rank's memory."""
+    printed once, and rank 0's metrics with every rank's memory; also with speculative decoding."""
+    if speculate and not have_speculative():
+        pytest.skip("speculative.py is not in this tree yet")
     golden = json.loads(GOLDEN.read_text())[0]
     metrics = tmp_path / "m.json"
     r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, "--prompt", golden["prompt"], "--no-compile",
-                 "--max_new_tokens", golden["max_new_tokens"], "--metrics_json", metrics)
+                 "--max_new_tokens", golden["max_new_tokens"], "--metrics_json", metrics, *speculate)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == golden["output_text"] + "\n"
     assert r.stderr.count("decode ") == 1  # only rank 0 logs
@@ -300,3 +303,20 @@ def test_plan_names_existing_modules():
     names = {n for n, _ in model.named_modules()}
     for suffix in PLAN:
         assert f"layers.0.{suffix}" in names
+
+
+def test_rowwise_bias_is_added_once(tmp_path):
+    """No supported architecture has a bias on wo or w2, but a checkpoint that had one would get
+    it from rank 0 only, so that the all-reduce adds it once; 1-D scales of a row-wise layer are
+    replicated."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    bias, scales = torch.randn(64), torch.rand(64)
+    save_file({"layers.0.attention.wo.bias": bias, "layers.0.feed_forward.w2.scales": scales}, tmp_path / "b.safetensors")
+    for rank in range(2):
+        tp = TensorParallel(rank, 2, group=object())
+        with torch.device("meta"):
+            tp.shard_modules(random_model().to("meta"))
+        with safe_open(tmp_path / "b.safetensors", framework="pt") as f:
+            assert torch.equal(tp.read(f, "layers.0.attention.wo.bias"), bias if rank == 0 else torch.zeros(64))
+            assert torch.equal(tp.read(f, "layers.0.feed_forward.w2.scales"), scales)
