@@ -32,14 +32,22 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-# module name suffix -> how its weight is split; every other tensor is replicated
+# module name (or its last dotted parts) -> how its weight is split; every other tensor is replicated
 PLAN = {
     "attention.wqkv": "colwise_heads",  # q, k and v row blocks, each split by heads
     "attention.wo": "rowwise_heads",  # input features are the heads' outputs
     "feed_forward.w1": "colwise",  # gate
     "feed_forward.w3": "colwise",  # up
     "feed_forward.w2": "rowwise",  # down: partial sums over the hidden dimension, all-reduced
+    # by vocabulary, when N divides it (else replicated): each rank embeds the tokens it holds
+    # (zeros for the rest) and the embeddings are all-reduced; the head's logits are all-gathered
+    "tok_embeddings": "vocab_embedding",
+    "output": "vocab_head",
 }
+
+
+def plan_kind(name: str) -> Optional[str]:
+    return next((k for suffix, k in PLAN.items() if name == suffix or name.endswith("." + suffix)), None)
 
 TIMEOUT_S = int(os.environ.get("MINILLM_TP_TIMEOUT_S", "600"))  # a collective waits this long for a missing rank
 
@@ -124,9 +132,13 @@ class TensorParallel:
             "colwise": Shard(False, hidden, I),
             "rowwise": Shard(True, hidden, I),
         }
+        V = args.vocab_size
+        if V % self.world_size == 0:  # all-gather needs equal parts
+            v0, nv = split_evenly(V, self.world_size, self.rank)
+            layer_shards["vocab_embedding"] = layer_shards["vocab_head"] = Shard(False, [(v0, v0 + nv)], V)
         for name, module in model.named_modules():
-            kind = next((k for suffix, k in PLAN.items() if name.endswith(suffix)), None)
-            if kind is None:
+            kind = plan_kind(name)
+            if kind not in layer_shards:
                 continue
             shard = self.shards[name] = layer_shards[kind]
             for tensors in (module._parameters, module._buffers):
@@ -135,9 +147,15 @@ class TensorParallel:
                         self.full_shapes[f"{name}.{t_name}"] = tuple(t.shape)
                         local = torch.empty(self._local_shape(shard, t_name, t.shape), dtype=t.dtype, device="meta")
                         tensors[t_name] = nn.Parameter(local, requires_grad=False) if isinstance(t, nn.Parameter) else local
-            if shard.rowwise and self.world_size > 1:  # one rank holds the whole sum already
-                module.register_forward_hook(self._all_reduce_hook)
-            for attr in ("out_features", "in_features"):  # nn.Linear's bookkeeping, for repr
+            if self.world_size > 1:  # one rank holds the whole sum already
+                if shard.rowwise:
+                    module.register_forward_hook(self._all_reduce_hook)
+                elif kind == "vocab_head":
+                    module.register_forward_hook(self._all_gather_hook)
+                elif kind == "vocab_embedding":
+                    self._embed_own_tokens(module, *shard.ranges[0])
+            # sizes that layers keep (nn.Linear, quantize.py's layers slice by in_features)
+            for attr in ("out_features", "in_features", "num_embeddings"):
                 if hasattr(module, attr) and (attr == "in_features") == shard.rowwise:
                     setattr(module, attr, sum(b - a for a, b in shard.ranges))
         for layer in model.layers:
@@ -146,6 +164,23 @@ class TensorParallel:
     def _all_reduce_hook(self, module, inputs, output):
         # the whole output, every batch row: each rank holds a partial sum over its input features
         return funcol.all_reduce(output, "sum", self.group)
+
+    def _all_gather_hook(self, module, inputs, output):
+        # (..., vocab / N) logits of this rank's tokens -> (..., vocab), in rank order
+        return funcol.all_gather_single(output, output.dim() - 1, self.group)
+
+    def _embed_own_tokens(self, module: nn.Module, v0: int, v1: int):
+        """Make an embedding (nn.Embedding or quantize.py's) holding rows v0..v1 look up only
+        its own tokens, give zeros for the others, and all-reduce: the sum is the full lookup."""
+        base, group = type(module), self.group
+
+        def forward(self, tokens):
+            local = tokens - v0
+            mine = (local >= 0) & (local < v1 - v0)
+            x = base.forward(self, local.clamp(0, v1 - v0 - 1))  # (..., dim)
+            return funcol.all_reduce(x.masked_fill(~mine.unsqueeze(-1), 0), "sum", group)
+
+        module.__class__ = type(f"VocabParallel{base.__name__}", (base,), {"forward": forward})
 
     def _slices(self, shard: Shard, t_name: str, shape) -> tuple[Optional[int], list]:
         """(dim, [(start, stop), ...]) of this rank's part of a tensor of the layer, in the
@@ -237,9 +272,11 @@ class TensorParallel:
 
     def rank_metrics(self, m: dict, model: nn.Module) -> dict:
         """Per-rank memory and weights, and what a decode step sends: two all-reduces per layer
-        of (batch, 1, dim) activations (a collective on every rank: call it on all of them)."""
+        of (batch, 1, dim) activations, one more for the embedding and an all-gather of the
+        logits when the vocabulary is split (a collective on every rank: call it on all of them)."""
         elem = model.norm.weight.element_size()  # activations are in the model dtype
-        n = 2 * len(model.layers)
+        vocab = int("tok_embeddings" in self.shards and self.world_size > 1)
+        n, B = 2 * len(model.layers) + vocab, model.max_batch_size
         return {
             "tp_world_size": self.world_size,
             "peak_memory_bytes_per_rank": self.gather(m["peak_memory_bytes"]),
@@ -248,7 +285,9 @@ class TensorParallel:
             # (reclaimable page cache); anonymous memory is what the rank itself holds
             "rss_anon_bytes_per_rank": self.gather(rss_anon_bytes()),
             "all_reduces_per_step": n,
-            "all_reduce_bytes_per_step": n * model.max_batch_size * model.args.dim * elem,
+            "all_reduce_bytes_per_step": n * B * model.args.dim * elem,
+            "all_gathers_per_step": vocab,
+            "all_gather_bytes_per_step": vocab * B * model.args.vocab_size * elem,  # the gathered logits
         }
 
 
@@ -309,7 +348,7 @@ def sharded_bytes(model: nn.Module, tp: Optional[TensorParallel] = None) -> tupl
     heads and the hidden dimension divide evenly."""
     sharded = set()
     for name, module in model.named_modules():
-        if any(name.endswith(suffix) for suffix in PLAN):
+        if plan_kind(name) is not None and (tp is None or name in tp.shards):
             sharded.update(id(t) for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
     buffers = [b for n, b in model.named_buffers() if "cache" not in n and "inv_freq" not in n]  # weights only
     tensors = {id(t): t for t in list(model.parameters()) + buffers}
