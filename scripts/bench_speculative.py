@@ -1,0 +1,224 @@
+"""Speculative decoding against plain decoding, side by side in one process, on the same prompts.
+
+Cases (--case, default: all that can run):
+  ngram  prompt lookup (generate.py --ngram 3 --speculate_k 8) with SmolLM2-135M-Instruct on
+         input-grounded prompts: edit, fix or reformat a passage given in the prompt.
+         Needs: python scripts/prepare.py smollm2-135m
+         Target: at least 2x plain decoding's tokens/s.
+  qwen   Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct on code prompts
+         (generate.py --draft_checkpoint ... --speculate_k 5).
+         Needs: python scripts/prepare.py qwen2.5-coder-0.5b && python scripts/prepare.py qwen2.5-coder-1.5b
+         Target: at least 1.6x plain decoding of the 1.5B.
+  int4   an int4 copy of SmolLM2-135M (group size 32) drafting for the float32 model, on the
+         ngram case's prompts and a few open questions.
+         Needs: python quantize.py --checkpoint checkpoints/smollm2-135m --mode int4 --groupsize 32
+         (writes checkpoints/smollm2-135m-int4-g32)
+
+    python scripts/bench_speculative.py                     # every case, compiled, 2 rounds
+    python scripts/bench_speculative.py --case ngram        # one case
+    python scripts/bench_speculative.py --quick             # smoke test: 2 prompts, 24 tokens, 1 round, eager
+    python scripts/bench_speculative.py --json bench-out/speculative.json
+
+Protocol: batch 1, greedy, float32, --threads threads (default 2), chat template on, generation
+stops at EOS or --max_new_tokens. For each prompt, plain decoding and speculative decoding run one
+after the other on the same target model (same compiled one-token step); rounds repeat the
+whole set. Each engine is warmed up (compiled) before timing. The figures: decode tokens/s of
+each (tokens after the first / time after the first, as generate.py reports them), summed over
+prompts (total tokens / total time), their ratio, the tokens produced per target forward, the
+acceptance histogram, and whether every greedy output is identical to plain decoding (it must
+be; the script exits 1 if not).
+
+The table goes to stdout, progress to stderr, every number to --json.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from generate import Engine, Sampling, load_model, warm_up  # noqa: E402
+import speculative  # noqa: E402
+
+CKPT = REPO_ROOT / "checkpoints"
+
+GROUNDED = [
+    "Fix the spelling mistakes in this paragraph and write it out again in full:\n\n"
+    "The quick brown fox jumpd over the lazy dog. It then ran into the forrest, where it met an old "
+    "owl who lived in a hollow tree. The owl asked the fox were it was going, and the fox said that "
+    "it was looking for it's family, who had left early in the mornin.",
+
+    "Add a docstring to this Python function and return the whole function:\n\n"
+    "def moving_average(values, window):\n"
+    "    if window <= 0:\n"
+    "        raise ValueError('window must be positive')\n"
+    "    out = []\n"
+    "    total = 0.0\n"
+    "    for i, v in enumerate(values):\n"
+    "        total += v\n"
+    "        if i >= window:\n"
+    "            total -= values[i - window]\n"
+    "        if i >= window - 1:\n"
+    "            out.append(total / window)\n"
+    "    return out\n",
+
+    "Rewrite this list as a numbered list, keeping every item as it is:\n\n"
+    "- buy milk and eggs at the market\n- call the plumber about the kitchen sink\n"
+    "- send the quarterly report to Anna\n- book train tickets to Lyon for Friday\n"
+    "- water the plants on the balcony\n- renew the library card before it expires\n",
+
+    "Rename the variable `x` to `count` in this code and show the result:\n\n"
+    "def tally(words):\n"
+    "    x = {}\n"
+    "    for w in words:\n"
+    "        if w in x:\n"
+    "            x[w] += 1\n"
+    "        else:\n"
+    "            x[w] = 1\n"
+    "    return x\n",
+
+    "Copy this email and change the date from Monday to Tuesday:\n\n"
+    "Hi team,\n\nThe design review is moved to Monday at 10:00 in room 4B. Please bring your "
+    "notes on the new onboarding flow and the list of open questions from last week. If you "
+    "cannot attend on Monday, send your comments to Maria before the meeting.\n\nThanks,\nPaul",
+]
+
+CODE = [
+    "Write a Python function `is_prime(n)` that returns True when n is a prime number.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a Python class `Stack` with push, pop, peek and is_empty methods.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a Python function `word_count(path)` that counts the words in a text file.",
+]
+
+OPEN = [
+    "Explain in three sentences why the sky is blue.",
+    "What are three good habits for writing clean code?",
+]
+
+CASES = {
+    "ngram": dict(target="smollm2-135m", draft=None, ngram=3, k=8, prompts=GROUNDED, goal=2.0),
+    "qwen": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", ngram=None, k=5, prompts=CODE, goal=1.6),
+    "int4": dict(target="smollm2-135m", draft="smollm2-135m-int4-g32", ngram=None, k=5, prompts=GROUNDED + OPEN,
+                 goal=None),
+}
+NEEDS = {
+    "smollm2-135m": "python scripts/prepare.py smollm2-135m",
+    "qwen2.5-coder-0.5b": "python scripts/prepare.py qwen2.5-coder-0.5b",
+    "qwen2.5-coder-1.5b": "python scripts/prepare.py qwen2.5-coder-1.5b",
+    "smollm2-135m-int4-g32": "python quantize.py --checkpoint checkpoints/smollm2-135m --mode int4 --groupsize 32",
+}
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def decode_rate(stats) -> tuple:
+    """(tokens after the first, seconds after the first)."""
+    return stats.new_tokens - 1, stats.decode_s
+
+
+def run_case(name: str, a) -> dict:
+    from tokenizer import Tokenizer
+    c = CASES[name]
+    k = a.speculate_k or c["k"]
+    for ckpt in filter(None, (c["target"], c["draft"])):
+        if not (CKPT / ckpt / "config.json").exists():
+            return {"case": name, "skipped": f"checkpoints/{ckpt} is missing: {NEEDS[ckpt]}"}
+    if c["draft"]:
+        speculative.check_same_tokenizer(CKPT / c["target"], CKPT / c["draft"])
+    tok = Tokenizer(CKPT / c["target"])
+    target = load_model(CKPT / c["target"])
+    draft = load_model(CKPT / c["draft"]) if c["draft"] else None
+    stop = sorted(set(target.args.eos_token_ids) | set(tok.eos_ids))
+    prompts = c["prompts"][:2] if a.quick else c["prompts"]
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_bos=False) for p in prompts]
+    engine = Engine(target, compile=a.compile)
+    spec = speculative.build(engine, k, draft=draft, ngram=c["ngram"], compile=a.compile)
+    S = -(-(max(map(len, ids)) + a.max_new_tokens + k) // 256) * 256
+    engine.setup(1, S)
+    spec.setup(1, S)
+    s = Sampling()
+    t0 = time.perf_counter()
+    warm_up(engine, ids[:1], s, 3)
+    spec.warm_up(ids[:1], s)
+    log(f"[{name}] warmed up in {time.perf_counter() - t0:.1f} s")
+
+    runs = []
+    for r in range(a.rounds):
+        for i, p in enumerate(ids):
+            (plain_out,), plain_stats = engine.generate([p], a.max_new_tokens, s, stop)
+            (spec_out,), spec_stats = spec.generate([p], a.max_new_tokens, s, stop)
+            m = speculative.speculation_metrics(spec_stats, spec)
+            pn, pt = decode_rate(plain_stats)
+            sn, st = decode_rate(spec_stats)
+            runs.append(dict(round=r, prompt=i, prompt_tokens=len(p), new_tokens=len(plain_out),
+                             identical=plain_out == spec_out, plain_tokens=pn, plain_s=pt, spec_tokens=sn, spec_s=st,
+                             tokens_per_target_forward=m["tokens_per_target_forward"],
+                             histogram=spec_stats.histogram, plain_steps=spec_stats.plain_steps))
+            log(f"[{name}] round {r} prompt {i}: {len(plain_out)} tokens, plain {pn / pt if pt else 0:.1f} tok/s, "
+                f"speculative {sn / st if st else 0:.1f} tok/s, {m['tokens_per_target_forward']:.2f} tokens/forward"
+                + ("" if plain_out == spec_out else "  OUTPUT DIFFERS"))
+            if i == 0 and r == 0 and a.show:
+                log(tok.decode([t for t in spec_out if t not in stop]))
+    plain_tps = sum(x["plain_tokens"] for x in runs) / sum(x["plain_s"] for x in runs)
+    spec_tps = sum(x["spec_tokens"] for x in runs) / sum(x["spec_s"] for x in runs)
+    hist = [sum(x["histogram"][j] for x in runs) for j in range(k + 1)]
+    forwards = sum(sum(x["histogram"]) + x["plain_steps"] for x in runs)
+    return dict(case=name, target=c["target"], draft=c["draft"] or f"ngram {c['ngram']}", k=k,
+                prompts=len(ids), rounds=a.rounds, plain_tokens_per_s=plain_tps, spec_tokens_per_s=spec_tps,
+                speedup=spec_tps / plain_tps, goal=c["goal"],
+                tokens_per_target_forward=sum(x["spec_tokens"] for x in runs) / forwards if forwards else 0.0,
+                acceptance_histogram=hist, identical=all(x["identical"] for x in runs), runs=runs)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__[__doc__.index("Cases"):], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=["all", *CASES], default="all")
+    p.add_argument("--speculate_k", type=int, default=None, help="override the case's k")
+    p.add_argument("--max_new_tokens", type=int, default=160)
+    p.add_argument("--rounds", type=int, default=2, help="times the whole prompt set is run")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 24 new tokens, 1 round, no compile")
+    p.add_argument("--show", action="store_true", help="print the first prompt's output of each case (stderr)")
+    p.add_argument("--json", type=Path, default=None, help="write every number here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.max_new_tokens, a.rounds, a.compile = 24, 1, False
+    torch.set_num_threads(a.threads)
+    results = []
+    for name in (CASES if a.case == "all" else [a.case]):
+        res = run_case(name, a)
+        if "skipped" in res:
+            log(f"[{name}] skipped: {res['skipped']}")
+            if a.case != "all":
+                print(f"error: {res['skipped']}", file=sys.stderr)
+                return 1
+        results.append(res)
+
+    print(f"| case | target | proposer | k | plain tok/s | speculative tok/s | speedup (goal) | tokens/target forward "
+          f"| acceptance histogram (0..k) | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "skipped" in r:
+            print(f"| {r['case']} | skipped: {r['skipped']} |||||||||")
+            continue
+        goal = f" ({r['goal']}x)" if r["goal"] else ""
+        print(f"| {r['case']} | {r['target']} | {r['draft']} | {r['k']} | {r['plain_tokens_per_s']:.1f} "
+              f"| {r['spec_tokens_per_s']:.1f} | **{r['speedup']:.2f}x**{goal} | {r['tokens_per_target_forward']:.2f} "
+              f"| {' '.join(map(str, r['acceptance_histogram']))} | {'yes' if r['identical'] else 'NO'} |")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(results, indent=2))
+    return 0 if all(r.get("identical", True) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""speculative.py: greedy output identical to the target's, the sampled distribution equal to the
+target's (and a test that a wrong resampling step is caught), KV cache rollback (full and ring
+caches), EOS and max_new_tokens inside an accepted block, compile, chat, and the CLI."""
+import json
+
+import pytest
+import torch
+
+import speculative
+from conftest import random_model, run_script, save_checkpoint
+from generate import Chat, Engine, Sampling, UserError, load_model, logits_to_probs
+from speculative import NgramProposer, SpeculativeEngine, build
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[5, 9, 200, 17], list(range(20, 31)), [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
+
+
+def noisy_copy(model, std, seed=1):
+    """The model with every weight perturbed: a draft that agrees with the target only sometimes."""
+    import copy
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return draft
+
+
+class ScriptedProposer(NgramProposer):
+    """Proposes the target's own greedy continuation (known in advance) with every third proposal
+    wrong: point-mass proposals with every acceptance length, independent of the n-gram lookup."""
+
+    name = "scripted"
+
+    def __init__(self, full: list, vocab: int):
+        super().__init__(1)
+        self.full, self.vocab, self.round = full, vocab, 0
+
+    def propose(self, context, k, s):
+        self.round += 1
+        truth = self.full[len(context):len(context) + k]
+        return [(t + 1) % self.vocab if (self.round + i) % 3 == 0 else t for i, t in enumerate(truth)], None
+
+
+def plain_greedy(model, prompt, n, stop_ids=(), max_seq_length=128):
+    engine = Engine(model)
+    engine.setup(1, max_seq_length)
+    (out,), _ = engine.generate([prompt], n, Sampling(), stop_ids)
+    return out
+
+
+def spec_engine(target, k, draft=None, ngram=None, proposer=None, max_seq_length=128, compile=False):
+    spec = SpeculativeEngine(Engine(target, compile=compile), proposer, k, compile=compile) if proposer \
+        else build(Engine(target, compile=compile), k, draft=draft, ngram=ngram, compile=compile)
+    spec.setup(1, max_seq_length)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(seed=0)
+
+
+# ---------------------------------------------------------------- greedy
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("proposer", ["draft=target", "noisy draft", "random draft", "ngram", "scripted"])
+def test_speculative_greedy_is_token_identical(target, proposer, k):
+    drafts = {"draft=target": random_model(seed=0), "noisy draft": noisy_copy(target, 0.05),
+              "random draft": random_model(seed=3)}
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = plain_greedy(target, prompt, 40)
+        scripted = ScriptedProposer(prompt + expected, 256) if proposer == "scripted" else None
+        spec = spec_engine(target, k, draft=drafts.get(proposer), ngram=3 if proposer == "ngram" else None,
+                           proposer=scripted)
+        (out,), stats = spec.generate([prompt], 40, Sampling())
+        assert out == expected, prompt
+        assert stats.new_tokens == 40
+        accepted += sum(i * h for i, h in enumerate(stats.histogram))
+    if proposer in ("draft=target", "scripted"):
+        assert accepted > 0  # the test is not vacuous
+
+
+def test_greedy_stops_at_eos_inside_an_accepted_block_and_at_max_new_tokens(target):
+    prompt = PROMPTS[1]
+    free = plain_greedy(target, prompt, 40)
+    stop = next(t for i, t in enumerate(free[2:], 2) if t not in free[:i])  # first seen at index >= 2
+    cut = free.index(stop) + 1
+    for k in (4, 8):  # draft == target: every block is accepted whole, so the stop token is inside one
+        spec = spec_engine(target, k, draft=random_model(seed=0))
+        (out,), stats = spec.generate([prompt], 40, Sampling(), stop_ids=[stop])
+        assert out == free[:cut]
+        assert stats.target_forwards == 1  # one verify produced the whole block up to the stop token
+        for n in (2, 7, 13):
+            (out,), _ = spec.generate([prompt], n, Sampling())
+            assert out == free[:n]
+
+
+def test_ngram_proposer_lookup():
+    p = NgramProposer(3)
+    ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    p.start(ctx)
+    assert p.propose(ctx, 2, Sampling()) == ([7, 8], None)  # (2, 3): the most recent occurrence wins
+    ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 4, 2, 3]
+    p.start(ctx)
+    assert p.propose(ctx, 2, Sampling())[0] == [7, 8]
+    ctx += [7, 1]
+    assert p.propose(ctx, 3, Sampling())[0] == [2, 3, 7]  # (7, 1) unseen; (1,) most recently at index 4
+    assert p.propose([4, 5, 6], 3, Sampling())[0] == []  # no match at all: no proposal
+    ctx = [1, 2, 3, 1, 2, 3]
+    p.start(ctx)
+    assert p.propose(ctx, 5, Sampling())[0] == [1, 2, 3, 1, 2]  # past the end: copy the proposal itself
+    q = NgramProposer(3, min_n=2)
+    q.start([5, 1, 9, 1])
+    assert q.propose([5, 1, 9, 1], 2, Sampling())[0] == []  # only (1,) matches, shorter than min_n
+
+
+# ---------------------------------------------------------------- KV cache rollback
+
+def next_logits_after_run(model, context, fed):
+    """The model's logits for the position after `context`, given that its cache holds context[:fed]."""
+    return model(torch.tensor([context[fed:]]), torch.arange(fed, len(context)))[0, -1]
+
+
+def plain_run_logits(model, prompt, context, max_seq_length=128):
+    """A fresh copy of the model: prefill the prompt, then feed the rest one token at a time."""
+    import copy
+    m = copy.deepcopy(model)
+    m.setup_caches(1, max_seq_length)
+    logits = m(torch.tensor([prompt]), torch.arange(len(prompt)))[0, -1]
+    for i in range(len(prompt), len(context)):
+        logits = m(torch.tensor([context[i:i + 1]]), torch.tensor([i]))[0, -1]
+    return logits
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_kv_rollback_leaves_caches_as_a_plain_run(window):
+    # window 6 < max_seq_length: the sliding layers keep ring caches, which speculation must repair.
+    # float64: float32 logits already differ by ~1e-5 between a chunked and a one-token-at-a-time
+    # run of the same tokens; in float64 they agree exactly, so any difference is a rollback error
+    target = random_model(seed=0, sliding_window=window).double()
+    draft = noisy_copy(target, 0.05)
+    for k in (2, 4, 5):
+        spec = spec_engine(target, k, draft=draft)
+        assert (target.ring_window is not None) == (window is not None)
+        prompt = PROMPTS[2]
+        (out,), stats = spec.generate([prompt], 48, Sampling())
+        assert out == plain_greedy(target, prompt, 48)
+        assert any(stats.histogram[1:k]), stats.histogram  # partial acceptances happened
+        context = prompt + out
+        with torch.inference_mode():
+            got = next_logits_after_run(target, context, len(context) - 1)
+            torch.testing.assert_close(got, plain_run_logits(target, prompt, context), atol=1e-5, rtol=0)
+            fed = spec.proposer.fed
+            assert fed == context[:len(fed)] and len(fed) >= len(context) - 2
+            got = next_logits_after_run(draft, context, len(fed))
+            torch.testing.assert_close(got, plain_run_logits(draft, prompt, context), atol=1e-5, rtol=0)
+
+
+def test_ring_cache_refuses_k_not_below_the_window():
+    target = random_model(seed=0, sliding_window=4)
+    spec = spec_engine(target, 4, ngram=2)
+    with pytest.raises(UserError, match="sliding window"):
+        spec.generate([PROMPTS[1]], 8, Sampling())
+
+
+def test_batch_larger_than_one_is_refused(target):
+    spec = build(Engine(target), 4, ngram=2)
+    with pytest.raises(UserError, match="one sequence at a time"):
+        spec.setup(2, 128)
+    spec.setup(1, 128)
+    with pytest.raises(UserError, match="one sequence at a time"):
+        spec.generate([PROMPTS[0], PROMPTS[1]], 8, Sampling())
+
+
+def test_compiled_matches_eager(target):
+    draft = noisy_copy(target, 0.05)
+    prompt = PROMPTS[2]
+    expected = plain_greedy(target, prompt, 40)
+    spec = spec_engine(target, 4, draft=draft, compile=True)
+    spec.warm_up([prompt], Sampling())
+    (out,), stats = spec.generate([prompt], 40, Sampling())
+    assert out == expected
+    spec = spec_engine(target, 4, ngram=2, compile=True)
+    (out,), stats = spec.generate([prompt], 40, Sampling())
+    assert out == expected
+    assert stats.plain_steps > 0 and sum(stats.histogram) > 0  # both compiled graphs ran
+
+
+# ---------------------------------------------------------------- sampling
+
+V = 8  # small enough to enumerate every 3-token continuation
+
+
+def exact_distribution(model, prompt, s):
+    """P(t1, t2, t3) under the target's own sampling, by enumeration: (V, V, V)."""
+    import copy
+    m = copy.deepcopy(model)
+    m.setup_caches(V * V, len(prompt) + 2)
+    with torch.inference_mode():
+        rows = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])  # row a * V + b
+        logits = m(rows, torch.arange(rows.shape[1]))  # (V*V, L + 2, V)
+    L = len(prompt)
+    probs = [logits_to_probs(logits[:, L - 1 + i], s).double().view(V, V, V) for i in range(3)]
+    p1 = probs[0][0, 0]  # (V,): the prompt alone
+    p2 = probs[1][:, 0]  # (V, V): given t1 (t2 = row's b, not seen yet)
+    p3 = probs[2]  # (V, V, V): given t1, t2
+    return p1.view(V, 1, 1) * p2.view(V, V, 1) * p3
+
+
+def chi_square_p_value(counts, expected_probs, min_expected=5.0):
+    """Pearson's chi-square test; cells expected fewer than min_expected times are pooled."""
+    counts, probs = counts.flatten().double(), expected_probs.flatten().double()
+    expected = probs * counts.sum()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = len(obs) - 1
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2).item()
+
+
+def sampled_counts(spec, prompt, s, runs, seed=0):
+    counts = torch.zeros([V] * 3)
+    torch.manual_seed(seed)
+    for _ in range(runs):
+        (out,), _ = spec.generate([prompt], 4, s)  # 4 tokens: the first round has 2 proposals (k=2)
+        counts[tuple(out[:3])] += 1
+    return counts
+
+
+SAMPLINGS = {"t=1": Sampling(temperature=1.0), "t=0.7,top_k=5,top_p=0.9": Sampling(0.7, top_k=5, top_p=0.9)}
+SAMPLE_PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6, 1, 3, 5, 7, 0]  # every token recurs: n-gram proposals always
+
+
+def small_vocab_pair():
+    # a flat-ish target and a peaked draft that disagree often: rejections, and resampling, are common
+    target = random_model(seed=0, vocab_size=V, dim=32, n_layers=1, std=0.15)
+    draft = random_model(seed=5, vocab_size=V, dim=32, n_layers=1, std=0.4)
+    return target, draft
+
+
+def distribution_p_value(proposer, s, runs):
+    """Sample t1, t2, t3 `runs` times with speculation (k=2) and compare with the exact target
+    distribution: the smaller p-value of chi-square tests on the joint (t1, t2, t3) and on
+    (t2, t3) alone (t1 comes from prefill; the marginal has fewer cells, so more power)."""
+    target, draft = small_vocab_pair()
+    spec = spec_engine(target, 2, draft=draft if proposer == "draft" else None,
+                       ngram=2 if proposer == "ngram" else None, max_seq_length=32)
+    counts = sampled_counts(spec, SAMPLE_PROMPT, s, runs)
+    exact = exact_distribution(target, SAMPLE_PROMPT, s)
+    return min(chi_square_p_value(counts, exact), chi_square_p_value(counts.sum(0), exact.sum(0)))
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_speculative_sampling_matches_the_target_distribution(proposer, sampling):
+    # fixed seeds, so the outcome is deterministic; under a correct sampler p is uniform on (0, 1)
+    p = distribution_p_value(proposer, SAMPLINGS[sampling], RUNS)
+    assert p > 1e-3 / 2, p  # two tests per check (Bonferroni)
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_wrong_resampling_step_is_caught(proposer, monkeypatch):
+    # resampling from p instead of norm(max(p - q, 0)) favours the proposals: the same check must fail
+    monkeypatch.setattr(speculative, "residual_distribution", lambda p, q: p)
+    p = distribution_p_value(proposer, SAMPLINGS["t=1"], RUNS)
+    assert p < 1e-6, p
+
+
+RUNS = 1000
+
+
+# ---------------------------------------------------------------- the real model, chat, the CLI
+
+GROUNDED = ("Fix the spelling mistakes in this paragraph and write it out again:\n\n"
+            "The quick brown fox jumpd over the lazy dog. It then ran into the forrest, where it "
+            "met an old owl who lived in a hollow tree.")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    from tokenizer import Tokenizer
+    return load_model(smollm2_dir), Tokenizer(smollm2_dir)
+
+
+def test_ngram_greedy_is_token_identical_on_smollm2(smollm2):
+    model, tok = smollm2
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": GROUNDED}]), add_bos=False)
+    expected = plain_greedy(model, ids, 40, tok.eos_ids, max_seq_length=256)
+    spec = spec_engine(model, 8, ngram=3, max_seq_length=256)
+    (out,), stats = spec.generate([ids], 40, Sampling(), tok.eos_ids)
+    assert out == expected
+    m = spec.speculation_metrics(stats)
+    assert m["tokens_per_target_forward"] > 1.5, m  # the answer copies the passage: long accepted blocks
+
+
+def test_chat_with_speculation_equals_plain_chat(smollm2):
+    # Chat keeps the KV cache between turns; with speculation the target and the draft caches
+    # both hold rejected positions past the conversation, which later turns must not see
+    model, tok = smollm2
+    turns = ["Repeat after me: the cat sat on the mat.", "Now say it again, in capitals.", "And once more."]
+    plain = Engine(model)
+    plain.setup(1, 512)
+    spec = spec_engine(model, 4, draft=noisy_copy(model, 0.002), max_seq_length=512)
+    a, b = Chat(plain, tok), Chat(spec, tok)
+    for turn in turns:
+        out_a, _ = a.reply(turn, 16, Sampling())
+        out_b, stats = b.reply(turn, 16, Sampling())
+        assert out_a == out_b
+    assert b.last_prefill_tokens < b.last_prompt_tokens / 2  # the cache was reused
+    assert sum(stats.histogram[1:]) > 0
+
+
+def test_cli_ngram_end_to_end(smollm2_dir, smollm2, tmp_path):
+    model, tok = smollm2
+    mj = tmp_path / "m.json"
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--chat", "--prompt", GROUNDED, "--ngram", "3",
+                   "--speculate_k", "6", "--max_new_tokens", "24", "--no-compile", "--metrics_json", mj)
+    assert r.returncode == 0, r.stderr
+    (m,) = json.loads(mj.read_text())
+    assert m["proposer"] == "ngram" and len(m["acceptance_histogram"]) == 7
+    assert m["tokens_per_target_forward"] > 1 and m["decode_tokens_per_s"] > 0
+    assert "acceptance histogram" in r.stderr and "tokens per target forward" in r.stderr
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": GROUNDED}]), add_bos=False)
+    stop = sorted(set(model.args.eos_token_ids) | set(tok.eos_ids))
+    expected = plain_greedy(model, ids, 24, stop, max_seq_length=256)
+    assert r.stdout == tok.decode([t for t in expected if t not in stop]) + "\n"
+
+
+@pytest.mark.parametrize("case", ["other tokenizer", "both proposers", "batch", "k below 1"])
+def test_cli_speculation_errors_are_one_line(case, smollm2_dir, tmp_path):
+    import shutil
+    other = save_checkpoint(random_model(vocab_size=49152), tmp_path / "other", tokenizer_from=smollm2_dir)
+    cfg = json.loads((other / "tokenizer.json").read_text())
+    cfg["model"]["vocab"]["<|my_token|>"] = cfg["model"]["vocab"].pop("hello")  # one entry differs
+    (other / "tokenizer.json").write_text(json.dumps(cfg))
+    same = tmp_path / "same"
+    shutil.copytree(other, same)
+    shutil.copy(smollm2_dir / "tokenizer.json", same / "tokenizer.json")
+    rest = {"other tokenizer": ["--draft_checkpoint", other],
+            "both proposers": ["--draft_checkpoint", same, "--ngram", "2"],
+            "batch": ["--ngram", "2", "--batch_size", "2"],
+            "k below 1": ["--ngram", "2", "--speculate_k", "0"]}[case]
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--no-compile", "--max_new_tokens", "4", *rest)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    if case == "other tokenizer":
+        assert "different tokenizers" in lines[0]
