@@ -226,7 +226,9 @@ class TensorParallel:
             if shard.rowwise and t_name == "bias" and self.rank != 0:
                 t = torch.zeros_like(t)  # rank 0 adds the bias; the all-reduce sums it once
             return t
-        parts = [sl[a:b] if dim == 0 else sl[:, a:b] for a, b in ranges]
+        # safetensors slices are views into the memory map: rows (dim 0) stay views, touching only
+        # their own pages; columns become dense copies, so as not to keep the whole matrix's pages
+        parts = [sl[a:b] if dim == 0 else sl[:, a:b].contiguous() for a, b in ranges]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
     # ---------------------------------------------------------------- running as a group
@@ -276,7 +278,7 @@ class TensorParallel:
         logits when the vocabulary is split (a collective on every rank: call it on all of them)."""
         elem = model.norm.weight.element_size()  # activations are in the model dtype
         vocab = int("tok_embeddings" in self.shards and self.world_size > 1)
-        n, B = 2 * len(model.layers) + vocab, model.max_batch_size
+        n, B = (2 * len(model.layers) + vocab if self.world_size > 1 else 0), model.max_batch_size
         return {
             "tp_world_size": self.world_size,
             "peak_memory_bytes_per_rank": self.gather(m["peak_memory_bytes"]),

@@ -57,7 +57,7 @@ def measure(a, ranks: int) -> dict:
         "peak_memory_bytes_per_rank": last.get("peak_memory_bytes_per_rank", [last["peak_memory_bytes"]]),
     }
     for key in ("weight_bytes_per_rank", "rss_anon_bytes_per_rank", "all_reduces_per_step",
-                "all_reduce_bytes_per_step"):
+                "all_reduce_bytes_per_step", "all_gathers_per_step", "all_gather_bytes_per_step"):
         row[key] = last.get(key)
     return row
 
@@ -85,12 +85,13 @@ def main(argv=None):
         print(f"measuring {'single process' if n == 0 else f'{n} ranks'}...", file=sys.stderr, flush=True)
         rows.append(measure(a, n))
     print(f"| config | decode tok/s | weights per rank (MB) | anon RSS per rank (MB) | peak RSS per rank (MB) "
-          f"| all-reduces / step | bytes / step |")
+          f"| all-reduces / step (bytes) | all-gathers / step (bytes) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['decode_tokens_per_s']:.1f} | {mb(r['weight_bytes_per_rank'])} "
               f"| {mb(r['rss_anon_bytes_per_rank'])} | {mb(r['peak_memory_bytes_per_rank'])} "
-              f"| {r['all_reduces_per_step'] or '-'} | {r['all_reduce_bytes_per_step'] or '-'} |")
+              f"| {r['all_reduces_per_step'] or '-'} ({r['all_reduce_bytes_per_step'] or '-'}) "
+              f"| {r['all_gathers_per_step'] or '-'} ({r['all_gather_bytes_per_step'] or '-'}) |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(rows, indent=2))
