@@ -187,7 +187,7 @@ class DraftProposer:
 
     def __init__(self, model: Transformer, compile: bool = False, compile_mode: str = "default"):
         self.model = model
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.norm.weight.device  # (a quantized embedding has no .weight)
         self.step = draft_one_token
         if compile:
             self.step = torch.compile(draft_one_token, fullgraph=True,

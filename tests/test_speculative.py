@@ -83,6 +83,23 @@ def test_speculative_greedy_is_token_identical(target, proposer, k):
         assert accepted > 0  # the test is not vacuous
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_draft_is_token_identical(target, mode, tmp_path):
+    # a draft made by quantize.py from the target itself, loaded like any checkpoint
+    quantize = pytest.importorskip("quantize")  # written in parallel with this file
+    src = save_checkpoint(target, tmp_path / "float")
+    quantize.main(["--checkpoint", str(src), "--mode", mode, "--groupsize", "32", "--out", str(tmp_path / mode)])
+    draft = load_model(tmp_path / mode)
+    assert draft.args.quantization["mode"] == mode
+    accepted = 0
+    for prompt in PROMPTS:
+        spec = spec_engine(target, 4, draft=draft)
+        (out,), stats = spec.generate([prompt], 32, Sampling())
+        assert out == plain_greedy(target, prompt, 32)
+        accepted += sum(i * h for i, h in enumerate(stats.histogram))
+    assert accepted > 0
+
+
 def test_greedy_stops_at_eos_inside_an_accepted_block_and_at_max_new_tokens(target):
     prompt = PROMPTS[1]
     free = plain_greedy(target, prompt, 40)
@@ -272,7 +289,7 @@ def test_wrong_resampling_step_is_caught(proposer, monkeypatch):
     assert p < 1e-6, p
 
 
-RUNS = 1000
+RUNS = 800
 
 
 # ---------------------------------------------------------------- the real model, chat, the CLI
