@@ -1,5 +1,5 @@
 """Tensor parallelism: every rank holds 1/N of each large weight and the ranks all-reduce twice
-per layer (Megatron-LM, Shoeybi et al. 2019, section 3).
+per layer (Megatron-LM, Shoeybi et al. 2019, section 3), plus once for a vocabulary-split embedding.
 
     torchrun --standalone --nproc_per_node=2 generate.py --checkpoint checkpoints/smollm2-135m --prompt "Hi"
 
@@ -7,8 +7,9 @@ The split is a per-module plan (as torchtitan writes it): `PLAN` names, for each
 `TransformerBlock`, whether its output features (column-wise) or its input features (row-wise) are
 split. Attention is split by heads, the feed-forward by its hidden dimension; a column-wise layer
 feeds the row-wise one after it, so the activations between them stay local, and only the row-wise
-layer's partial sums need an all-reduce. Everything else (embedding, norms, output head) is
-replicated.
+layer's partial sums need an all-reduce. The embedding and output head are split by vocabulary
+when N divides it (Megatron's vocabulary-parallel embedding; the logits are all-gathered). Norms
+are replicated.
 
 Quantized checkpoints (quantize.py) are split in their on-disk layout, generically: a column-wise
 layer splits every tensor along dim 0; a row-wise layer splits its 2-D tensors along dim 1 (packed
@@ -17,8 +18,9 @@ scales; a row-wise bias is kept by rank 0 only, so the all-reduce adds it once.
 
 model.py knows nothing of this: `shard_modules` shrinks the meta-device model's sharded tensors
 and attention head counts before loading, `read` slices each tensor from the memory-mapped
-safetensors file, so a rank materializes only its own shard, and a forward hook all-reduces the
-output of each row-wise layer through functional collectives, which torch.compile can trace.
+safetensors file, so a rank materializes only its own shard, and forward hooks all-reduce the
+output of each row-wise layer (and all-gather the logits) through functional collectives, which
+torch.compile traces into the compiled decode step.
 """
 import atexit
 import os
@@ -47,7 +49,9 @@ PLAN = {
 
 
 def plan_kind(name: str) -> Optional[str]:
+    """How the module `name` is split (PLAN), or None: replicated."""
     return next((k for suffix, k in PLAN.items() if name == suffix or name.endswith("." + suffix)), None)
+
 
 TIMEOUT_S = int(os.environ.get("MINILLM_TP_TIMEOUT_S", "600"))  # a collective waits this long for a missing rank
 
@@ -240,8 +244,9 @@ class TensorParallel:
         try:
             result, error = fn(*args, **kwargs), None
         except Exception as e:  # noqa: BLE001: reported by every rank, then raised there
-            result, error = None, str(e) if isinstance(e, (ValueError, RuntimeError, OSError)) and str(e) \
-                else f"{type(e).__name__}: {e}"
+            # our errors (UserError, ConfigError, TPError) say what is wrong; name the others (MemoryError)
+            plain = str(e) and (type(e).__module__ != "builtins" or isinstance(e, (ValueError, RuntimeError, OSError)))
+            result, error = None, str(e) if plain else f"{type(e).__name__}: {e}"
         errors = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.group)
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
@@ -254,7 +259,7 @@ class TensorParallel:
                     dist.barrier(group=self.group)
                 except Exception:  # noqa: BLE001: rank 0 is gone, as expected
                     pass
-            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+            more = f" (and {len(failed) - 1} more rank{'s' * (len(failed) > 2)})" if len(failed) > 1 else ""
             raise TPError(f"rank {r}{more}: {e}")
         return result
 

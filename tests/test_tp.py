@@ -206,7 +206,7 @@ def test_cli_tp2_bad_checkpoint_ends_the_job_with_one_message(smollm2_dir, tmp_p
                  timeout=120)
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: rank 0 (and 1 more ranks): layers.1.feed_forward.w1.weight has shape (63, 32) "
+    assert errors == ["error: rank 0 (and 1 more rank): layers.1.feed_forward.w1.weight has shape (63, 32) "
                       "in the checkpoint, config.json implies (64, 32)"], r.stderr[-3000:]
 
 
