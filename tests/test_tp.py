@@ -1,9 +1,11 @@
 """Tensor parallelism (tp.py) on CPU with gloo: sharded runs under torchrun against one process.
 
 Each torchrun job (tests/tp_worker.py) runs several cases, since starting one costs seconds:
-tiny random Llama-family and Gemma-family models on 2 ranks (float, int8 when quantize.py is
-there, batch 1 and a batch of 2 different prompts, one compiled), SmolLM2-135M on 3 ranks, the
-generate.py command line on 2 ranks, and ranks that fail.
+tiny random Llama-family and Gemma-family models on 2 ranks (float; int8 and int4 when
+quantize.py is there; batch 1 and a batch of 2 different prompts; one compiled; speculative
+decoding when speculative.py is there), SmolLM2-135M on 3 ranks, the generate.py command line on
+2 ranks, and ranks that fail. The plan itself (head splits, int4 group boundaries, a row-wise
+bias) is checked in one process.
 
 Run: python -m pytest -q tests/test_tp.py
 """
