@@ -431,8 +431,9 @@ def check_same_tokenizer(target_dir, draft_dir):
 
 
 def build(engine: Engine, k: int, draft: Optional[Transformer] = None, ngram: Optional[int] = None,
-          compile: bool = False, compile_mode: str = "default") -> SpeculativeEngine:
-    """A SpeculativeEngine around `engine` with a draft model or an n-gram proposer."""
+          compile: bool = False, compile_mode: str = "default", ngram_min: int = 1) -> SpeculativeEngine:
+    """A SpeculativeEngine around `engine` with a draft model or an n-gram proposer (n-grams of
+    `ngram` tokens down to `ngram_min`)."""
     if (draft is None) == (ngram is None):
         raise UserError("give exactly one of --draft_checkpoint and --ngram")
     if draft is not None:
@@ -441,7 +442,7 @@ def build(engine: Engine, k: int, draft: Optional[Transformer] = None, ngram: Op
                             f"({engine.model.args.vocab_size})")
         proposer = DraftProposer(draft, compile=compile, compile_mode=compile_mode)
     else:
-        proposer = NgramProposer(ngram)
+        proposer = NgramProposer(ngram, ngram_min)
     return SpeculativeEngine(engine, proposer, k, compile=compile, compile_mode=compile_mode)
 
 

@@ -139,7 +139,7 @@ def run_case(name: str, a) -> dict:
     prompts = c["prompts"][:2] if a.quick else c["prompts"]
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_bos=False) for p in prompts]
     engine = Engine(target, compile=a.compile)
-    spec = speculative.build(engine, k, draft=draft, ngram=c["ngram"], compile=a.compile)
+    spec = speculative.build(engine, k, draft=draft, ngram=c["ngram"], compile=a.compile, ngram_min=a.ngram_min)
     S = -(-(max(map(len, ids)) + a.max_new_tokens + k) // 256) * 256
     engine.setup(1, S)
     spec.setup(1, S)
@@ -182,6 +182,9 @@ def main(argv=None) -> int:
                                 epilog=__doc__[__doc__.index("Cases"):], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", choices=["all", *CASES], default="all")
     p.add_argument("--speculate_k", type=int, default=None, help="override the case's k")
+    p.add_argument("--ngram_min", type=int, default=1,
+                   help="ngram case: shortest n-gram looked up (default 1; larger proposes less often, and "
+                        "wastes fewer verify forwards when one costs much more than a one-token step)")
     p.add_argument("--max_new_tokens", type=int, default=160)
     p.add_argument("--rounds", type=int, default=2, help="times the whole prompt set is run")
     p.add_argument("--threads", type=int, default=2)
