@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from model import ConfigError, ModelArgs, Transformer, param_bytes
+from tp import TPError, init_from_env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,8 +82,9 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None) -> Tr
                 if t.shape != shape:
                     raise UserError(f"{weights}: {name} has shape {tuple(t.shape)}, "
                                     f"config.json implies {tuple(shape)}")
-                # floating tensors take the requested dtype; quantized integers stay as they are
-                state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                # float weights take the requested dtype; quantized integers and their scales stay
+                keep = not t.is_floating_point() or name.endswith((".scales", ".zeros"))
+                state[name] = t.to(device=device, dtype=t.dtype if keep else dtype)
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{weights} is unreadable or truncated ({e})") from None
     model.load_state_dict(state, strict=False, assign=True)
@@ -193,7 +195,7 @@ class Engine:
     def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False,
                  compile_mode: str = "default"):
         self.model = model
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.norm.weight.device
         self.prefill, self.decode_one_token = prefill, decode_one_token
         if compile:
             self.decode_one_token = torch.compile(decode_one_token, fullgraph=True,
@@ -328,6 +330,9 @@ def print_metrics(m: dict):
     log(f"decode {m['decode_tokens_per_s']:.2f} tokens/s, inter-token latency median "
         f"{m['inter_token_latency_median_s'] * 1000:.1f} ms, p90 {m['inter_token_latency_p90_s'] * 1000:.1f} ms")
     log(f"memory bandwidth {m['bandwidth_gb_s']:.2f} GB/s, peak memory {m['peak_memory_bytes'] / 1e9:.2f} GB")
+    if "acceptance_histogram" in m:  # speculative decoding
+        from speculative import print_speculation
+        print_speculation(m)
 
 
 # ---------------------------------------------------------------- command line
@@ -383,6 +388,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interactive", action="store_true",
                    help="multi-turn chat on stdin; the KV cache is kept across turns")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens (benchmarks)")
+    p.add_argument("--draft_checkpoint", type=Path, default=None,
+                   help="speculative decoding (speculative.py): this smaller or quantized model, with the "
+                        "same tokenizer, proposes --speculate_k tokens that the target checks in one forward")
+    p.add_argument("--ngram", type=int, default=None, metavar="N",
+                   help="speculative decoding by prompt lookup: propose what followed the most recent earlier "
+                        "occurrence of the last N tokens (then N-1, ..., 1) in the prompt and output")
+    p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per round (default: 5)")
+    p.add_argument("--compare_plain", action="store_true",
+                   help="with speculation: also decode without it and print both speeds (and, greedy, "
+                        "whether the outputs are identical)")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler trace of the last sample here")
     p.add_argument("--metrics_json", type=Path, default=None, help="write the metrics as a JSON list here")
     return p
@@ -402,6 +417,14 @@ def check_args(a):
         raise UserError("--max_seq_length must be at least 2")
     if a.prompt and len(a.prompt) > 1 and a.batch_size > 1:
         raise UserError("give either several --prompt or --batch_size, not both")
+    if a.draft_checkpoint and a.ngram is not None:
+        raise UserError("give either --draft_checkpoint or --ngram, not both")
+    if a.ngram is not None and a.ngram < 1:
+        raise UserError("--ngram must be at least 1")
+    if a.speculate_k < 1:
+        raise UserError("--speculate_k must be at least 1")
+    if (a.draft_checkpoint or a.ngram) and (a.batch_size > 1 or (a.prompt and len(a.prompt) > 1)):
+        raise UserError("speculative decoding runs one sequence at a time: use a single prompt and --batch_size 1")
 
 
 def write_json(path: Path, obj):
@@ -412,6 +435,8 @@ def write_json(path: Path, obj):
 
 def warm_up(engine: Engine, prompts: list, s: Sampling, n: int = 3):
     """Compile before the first sample, so that its metrics measure generation, not compilation."""
+    if hasattr(engine, "proposer"):  # speculative.SpeculativeEngine: also its verify and draft graphs
+        return engine.warm_up(prompts, s)
     if engine.decode_one_token is decode_one_token and engine.prefill is prefill:
         return
     log("compiling (about a minute the first time, cached on disk afterwards"
@@ -457,6 +482,8 @@ def run_interactive(engine, tok, a, s):
         _, stats = chat.reply(line.rstrip("\n"), a.max_new_tokens, s, on_tokens=stream)
         stream.close()
         m = metrics(stats, engine.model, engine.device, 1)
+        if hasattr(engine, "proposer"):  # speculative.SpeculativeEngine
+            m.update(engine.speculation_metrics(stats))
         m["conversation_tokens"], m["prefilled_tokens"] = chat.last_prompt_tokens, chat.last_prefill_tokens
         print_metrics(m)
         all_metrics.append(m)
@@ -466,9 +493,14 @@ def run_interactive(engine, tok, a, s):
 def main(argv=None):
     a = build_parser().parse_args(argv)
     check_args(a)
+    tp, a.device = init_from_env(a.device)  # under torchrun: this rank's shard and device (tp.py)
+    if tp is not None and a.interactive:
+        raise UserError("--interactive is not supported with tensor parallelism (torchrun)")
+    speculate = bool(a.draft_checkpoint or a.ngram)
     device, dtype = parse_device(a.device), parse_dtype(a.dtype)
-    if a.seed is not None:
-        torch.manual_seed(a.seed)
+    seed = tp.same_seed(a.seed) if tp is not None else a.seed  # ranks must sample the same tokens
+    if seed is not None:
+        torch.manual_seed(seed)
     from tokenizer import Tokenizer, TokenizerError
     try:
         tok = Tokenizer(a.checkpoint)
@@ -479,12 +511,28 @@ def main(argv=None):
         raise UserError(str(e)) from None
     s = Sampling(a.temperature, a.top_k, a.top_p)
     prompts = None if a.interactive else encode_prompts(tok, a)  # check lengths before loading weights
+    if a.draft_checkpoint:
+        from speculative import check_same_tokenizer
+        check_same_tokenizer(a.checkpoint, a.draft_checkpoint)
     t0 = time.perf_counter()
-    model = load_model(a.checkpoint, device, dtype)
+    if tp is not None:  # every rank loads its shard; if one fails, all stop with its message
+        model = tp.all_ranks_ok(load_model, a.checkpoint, device, dtype, tp=tp)
+    else:
+        model = load_model(a.checkpoint, device, dtype)
     log(f"loaded {a.checkpoint} ({model.args.architecture}, {param_bytes(model) / 1e6:.0f} MB of weights "
         f"in {a.dtype} on {device}) in {time.perf_counter() - t0:.1f} s")
     stop_ids = [] if a.ignore_eos else sorted(set(model.args.eos_token_ids) | set(tok.eos_ids))
     engine = Engine(model, compile=a.compile, compile_prefill=a.compile_prefill, compile_mode=a.compile_mode)
+    if speculate:
+        import speculative
+        draft = None
+        if a.draft_checkpoint:  # under torchrun every rank holds the whole (small) draft
+            draft = (tp.all_ranks_ok(load_model, a.draft_checkpoint, device, dtype) if tp is not None
+                     else load_model(a.draft_checkpoint, device, dtype))
+        if draft is not None:
+            log(f"loaded draft {a.draft_checkpoint} ({param_bytes(draft) / 1e6:.0f} MB of weights)")
+        engine = speculative.build(engine, a.speculate_k, draft=draft, ngram=a.ngram, compile=a.compile,
+                                   compile_mode=a.compile_mode)
 
     if a.interactive:
         engine.setup(1, a.max_seq_length or 4096)
@@ -493,11 +541,12 @@ def main(argv=None):
     else:
         longest = max(len(p) for p in prompts)
         # round up so that nearby lengths share one compiled graph
-        engine.setup(len(prompts), a.max_seq_length or -(-(longest + a.max_new_tokens) // 256) * 256)
+        spare = a.speculate_k if speculate else 0  # a verify forward writes k slots past the last token
+        engine.setup(len(prompts), a.max_seq_length or -(-(longest + a.max_new_tokens + spare) // 256) * 256)
         warm_up(engine, prompts, s, min(3, a.max_new_tokens))
         all_metrics = []
         for i in range(a.num_samples):
-            profiling = a.profile is not None and i == a.num_samples - 1
+            profiling = a.profile is not None and i == a.num_samples - 1 and (tp is None or tp.rank == 0)
             prof = torch.profiler.profile() if profiling else contextlib.nullcontext()
             stream = StdoutStream(tok, stop_ids) if len(prompts) == 1 else None
             with prof:
@@ -511,16 +560,24 @@ def main(argv=None):
                 prof.export_chrome_trace(str(a.profile))
                 log(f"wrote profiler trace to {a.profile}")
             m = metrics(stats, model, device, len(prompts))
+            if speculate:
+                m.update(engine.speculation_metrics(stats))
+                if a.compare_plain:
+                    m.update(speculative.compare_with_plain(engine, prompts, a.max_new_tokens, s, stop_ids, m, outs))
+            if tp is not None:
+                m.update(tp.rank_metrics(m, model))
             print_metrics(m)
             all_metrics.append(m)
-    if a.metrics_json:
+    if a.metrics_json and (tp is None or tp.rank == 0):
         write_json(a.metrics_json, all_metrics)
 
 
 if __name__ == "__main__":
+    # speculative.py imports generate: let it find this module, not a second copy with its own UserError
+    sys.modules.setdefault("generate", sys.modules[__name__])
     try:
         main()
-    except (UserError, ConfigError) as e:
+    except (UserError, ConfigError, TPError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

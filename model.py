@@ -324,8 +324,8 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
         """Preallocate every layer's KV cache; call again to resize (the old contents are lost)."""
-        dtype = dtype or self.tok_embeddings.weight.dtype
-        device = device or self.tok_embeddings.weight.device
+        dtype = dtype or self.norm.weight.dtype  # norms stay float in quantized models too
+        device = device or self.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         # RoPE tables live with the caches, so a model built on the meta device needs no re-init
         inv_freq, self.rope_scale = rope_inv_freq(self.args)
@@ -420,9 +420,8 @@ class Transformer(nn.Module):
 def param_bytes(model: nn.Module) -> int:
     """Bytes of weights read per decode step: every parameter and weight buffer once, except an
     untied embedding table, of which a step reads only one row per token."""
-    skip = {"inv_freq", "local_inv_freq"}
-    if not getattr(model, "args", None) or not model.args.tie_word_embeddings:
-        skip.add("tok_embeddings.weight")
+    untied = not getattr(model, "args", None) or not model.args.tie_word_embeddings
     tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
     tensors.update((n, b) for n, b in model.named_buffers() if "cache" not in n)
-    return sum(t.numel() * t.element_size() for n, t in tensors.items() if n not in skip)
+    return sum(t.numel() * t.element_size() for n, t in tensors.items()
+               if n not in ("inv_freq", "local_inv_freq") and not (untied and n.startswith("tok_embeddings.")))

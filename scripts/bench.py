@@ -3,6 +3,8 @@
     python scripts/bench.py                      # SmolLM2-135M, float32 + bfloat16, 3 rounds
     python scripts/bench.py --quick             # smoke test: 1 round, 32 new tokens
     python scripts/bench.py --llama_quants Q8_0,ORIG --json bench-out/bench.json
+    python scripts/bench.py --engines ours,llama --dtypes float32,bfloat16 \
+        --quantized int8,int4-g32 --llama_quants Q8_0,Q4_1     # quantization (issue figures)
 
 Engines (--engines), each started in its own subprocess, all fed the same prompt token ids:
   ours        generate.py --compile (torch.compile of the decode step)
@@ -104,6 +106,9 @@ ENGINES = {  # name -> label in the table
     "llama": "llama.cpp",
 }
 LLAMA_KIND = {"float32": "F32", "bfloat16": "BF16"}  # our dtype -> llama.cpp file type
+# our quantized checkpoints (--quantized) -> quantize.py arguments, and the llama.cpp type they face
+QUANTIZED = {"int8": (["--mode", "int8"], "Q8_0"), "int4-g32": (["--mode", "int4", "--groupsize", "32"], "Q4_1"),
+             "int4-gptq-g32": (["--mode", "int4-gptq", "--groupsize", "32"], "Q4_1")}
 
 
 def log(*args):
@@ -162,7 +167,21 @@ def engine_jobs(a, llama_ok: bool) -> list:
             jobs += [(engine, k) for k in dict.fromkeys(kinds)]
         else:
             jobs += [(engine, d) for d in a.dtypes]
+            if engine != "ours-eager":
+                jobs += [(engine, q) for q in a.quantized]  # weights quantized, activations float32
     return jobs
+
+
+def quantized_checkpoint(a, label: str) -> Path:
+    """checkpoints/NAME-<label>, made by quantize.py if it is not there yet."""
+    path = a.checkpoint.parent / f"{a.checkpoint.name}-{label}"
+    if not (path / "config.json").exists():
+        log(f"making {path} with quantize.py")
+        r = subprocess.run([sys.executable, str(REPO_ROOT / "quantize.py"), "--checkpoint", str(a.checkpoint),
+                            *QUANTIZED[label][0], "--out", str(path)], cwd=REPO_ROOT)
+        if r.returncode != 0:
+            sys.exit(f"error: quantize.py failed for {label}")
+    return path
 
 
 # ---------------------------------------------------------------- subprocesses
@@ -200,9 +219,10 @@ def run_ours(a, engine, dtype, ids, workdir: Path, tag: str) -> dict:
     runs, warmup, errors, wall = {}, {}, [], 0.0
     for name, text in PROMPTS.items():
         out = workdir / f"{tag}-{name}.json"
-        cmd = [sys.executable, str(REPO_ROOT / "generate.py"), "--checkpoint", str(a.checkpoint),
+        checkpoint = a.checkpoint if dtype not in QUANTIZED else quantized_checkpoint(a, dtype)
+        cmd = [sys.executable, str(REPO_ROOT / "generate.py"), "--checkpoint", str(checkpoint),
                "--prompt", text, "--max_new_tokens", str(a.max_new_tokens), "--temperature", "0",
-               "--device", "cpu", "--dtype", dtype, "--no-compile" if engine == "ours-eager" else "--compile",
+               "--device", "cpu", "--dtype", "float32" if dtype in QUANTIZED else dtype, "--no-compile" if engine == "ours-eager" else "--compile",
                *(["--compile_mode", "max"] if engine == "ours-max" else []),
                "--ignore_eos", "--num_samples", str(a.num_samples), "--metrics_json", str(out)]
         metrics, err, w = run_process(cmd, out, workdir / f"{tag}-{name}.log", a.timeout)
@@ -290,7 +310,8 @@ def summarize(raw: list, membw: list, n_new: int, reference: str = "ours") -> li
     ours = {s["dtype"]: s for s in summary if s["engine"] == reference} or \
         {s["dtype"]: s for s in summary if s["engine"].startswith("ours")}
     for s in summary:
-        o = ours.get({"F32": "float32", "BF16": "bfloat16"}.get(s["dtype"], s["dtype"]))
+        same = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_1": "int4-g32"}
+        o = ours.get(same.get(s["dtype"], s["dtype"]))
         ok = o is not None and not s["engine"].startswith("ours")
 
         def ratio(x, y):
@@ -326,7 +347,12 @@ def print_table(summary: list, membw: list, ids: dict, a):
     print(line(["-" * w for w in widths]))
     for r in rows:
         print(line(r))
-    print("ours/peer decode: our decode tok/s over the peer's (same dtype); ours TTFT x: the peer's time to "
+    f32 = next((s for s in summary if s["engine"] == a.reference and s["dtype"] == "float32"), None)
+    for s in summary:
+        if s["engine"] == a.reference and s["dtype"] in QUANTIZED and f32 and s["decode_tokens_per_s"]:
+            print(f"ours {s['dtype']} decodes {s['decode_tokens_per_s'] / f32['decode_tokens_per_s']:.2f}x ours float32")
+    print("ours/peer decode: our decode tok/s over the peer's (same dtype; int8 faces Q8_0, int4-g32 Q4_1); "
+          "ours TTFT x: the peer's time to "
           "first token over ours (>1: ours is faster). % bw: achieved bandwidth over the measured one.")
     ref = next((s for s in summary if s["engine"].startswith("hf") and s["output_ids_short"]), None)
     if ref:  # greedy outputs of the same weights should agree for a while, then drift with rounding
@@ -365,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", default="ours",
                    help="which of our engines the ratio columns compare with the peers (default: ours)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes (default: both)")
+    p.add_argument("--quantized", default="",
+                   help="extra rows of ours on quantized checkpoints, comma-separated from "
+                        f"{', '.join(QUANTIZED)} (made with quantize.py when missing)")
     p.add_argument("--llama_quants", default="",
                    help="extra llama.cpp rows, comma-separated from Q8_0, Q4_1, ORIG (the GGUF as shipped)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
@@ -384,8 +413,9 @@ def main(argv=None):
     a.engines = [e for e in a.engines.split(",") if e]
     a.dtypes = [d for d in a.dtypes.split(",") if d]
     a.llama_quants = [q.upper() for q in a.llama_quants.split(",") if q]
+    a.quantized = [q for q in a.quantized.split(",") if q]
     bad = [e for e in a.engines if e not in ENGINES] + [d for d in a.dtypes if d not in LLAMA_KIND] + \
-        [q for q in a.llama_quants if q not in ("Q8_0", "Q4_1", "ORIG")]
+        [q for q in a.llama_quants if q not in ("Q8_0", "Q4_1", "ORIG")] + [q for q in a.quantized if q not in QUANTIZED]
     if bad or a.num_samples < 2 or a.rounds < 1:
         sys.exit(f"error: bad arguments {bad or ''} (--num_samples must be >= 2, --rounds >= 1)")
     a.checkpoint, a.gguf = resolve_weights(a)

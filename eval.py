@@ -1,0 +1,103 @@
+"""Perplexity of any checkpoint (float or quantized) over a text, with a sliding window.
+
+    python eval.py --checkpoint checkpoints/smollm2-135m
+    python eval.py --checkpoint checkpoints/smollm2-135m-int4-g32 --text data/hamlet.txt
+
+Windows of --window tokens start every --stride tokens; each window scores only the tokens that
+the previous one did not, so every token after the first is scored exactly once and, past the
+first window, with at least window - stride tokens of context. Perplexity = exp(mean negative
+log-likelihood). Progress goes to stderr; the last line of stdout is `perplexity 12.345`.
+The default text is Shakespeare's Hamlet (public domain, from Project Gutenberg; about 53k
+SmolLM2 tokens), see data/README.md.
+"""
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
+
+
+@torch.inference_mode()
+def perplexity(model, ids: list, window: int, stride: int, log=None) -> tuple[float, int]:
+    """(perplexity, tokens scored) of the token ids under the model."""
+    model.setup_caches(1, window)
+    device = model.norm.weight.device
+    nll, scored, next_target = 0.0, 0, 1  # token 0 has no context and is never predicted
+    starts = list(range(0, max(len(ids) - 1, 1), stride))
+    t0 = time.perf_counter()
+    for i, begin in enumerate(starts):
+        end = min(begin + window, len(ids))
+        chunk = torch.tensor([ids[begin:end]], device=device)
+        logits = model(chunk, torch.arange(end - begin, device=device))[0]  # (T, vocab), float32
+        first = max(next_target, begin + 1)  # first position this window scores
+        targets = torch.tensor(ids[first:end], device=device)
+        nll += F.cross_entropy(logits[first - 1 - begin:end - 1 - begin], targets, reduction="sum").item()
+        scored += end - first
+        next_target = end
+        if log:
+            rate = scored / (time.perf_counter() - t0)
+            log(f"[{i + 1}/{len(starts)}] {scored} tokens scored, perplexity so far {math.exp(nll / scored):.3f} "
+                f"({rate:.0f} tokens/s)")
+        if end == len(ids):
+            break
+    return math.exp(nll / scored), scored
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Perplexity of a checkpoint over a text file (sliding window).")
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory (float or quantized)")
+    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="UTF-8 text file (default: data/hamlet.txt)")
+    p.add_argument("--window", type=int, default=1024, help="tokens per forward pass (default 1024)")
+    p.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
+    p.add_argument("--max_tokens", type=int, default=None, help="score only the text's first N tokens")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    return p
+
+
+def main(argv=None):
+    from generate import UserError, load_model, log, parse_device, parse_dtype
+    a = build_parser().parse_args(argv)
+    if a.window < 2 or not 1 <= a.stride <= a.window:
+        raise UserError("--window must be at least 2 and --stride between 1 and --window")
+    if a.max_tokens is not None and a.max_tokens < 2:
+        raise UserError("--max_tokens must be at least 2")
+    device, dtype = parse_device(a.device), parse_dtype(a.dtype)
+    if not a.text.is_file():
+        raise UserError(f"text file {a.text} not found")
+    from tokenizer import Tokenizer, TokenizerError
+    try:
+        tok = Tokenizer(a.checkpoint)
+    except TokenizerError as e:
+        raise UserError(str(e)) from None
+    try:
+        text = a.text.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{a.text} is not UTF-8 text") from None
+    ids = tok.encode(text)[:a.max_tokens]
+    if len(ids) < 2:
+        raise UserError(f"{a.text} has fewer than 2 tokens")
+    model = load_model(a.checkpoint, device, dtype)
+    q = model.args.quantization
+    log(f"{a.checkpoint} ({q['mode'] if q else a.dtype}): {len(ids)} tokens of {a.text}, "
+        f"window {a.window}, stride {a.stride}")
+    ppl, n = perplexity(model, ids, a.window, a.stride, log)
+    log(f"{n} tokens scored")
+    print(f"perplexity {ppl:.3f}")
+
+
+if __name__ == "__main__":
+    from generate import UserError
+    from model import ConfigError
+    try:
+        main()
+    except (UserError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
