@@ -427,6 +427,9 @@ def load_gguf(gguf_path):
     tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     context = int(gguf_field(reader, f"{arch}.context_length", 4096))
     eos = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    if arch == "qwen2" and tokens and "<|endoftext|>" in tokens:
+        # Qwen2 GGUFs name only <|im_end|>; a base-style continuation ends with <|endoftext|> (HF lists both)
+        eos.append(list(tokens).index("<|endoftext|>"))
     tensors = {t.name: t for t in reader.tensors}
     gemma3 = {}
     if arch == "gemma3":
