@@ -134,26 +134,27 @@ def gptq_int4(w: Tensor, H: Tensor, groupsize: int, percdamp: float = 0.01,
     # the upper Cholesky factor of H^-1 holds every row of the sequential updates (section 4)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     blocksize = max(blocksize // groupsize, 1) * groupsize  # a group never straddles two blocks
-    Q = torch.zeros_like(W)
-    scales = torch.zeros(out, width // groupsize)
-    zeros = torch.zeros(out, width // groupsize)
+    Wt = W.T.contiguous()  # (width, out): a column of W is a contiguous row here
+    Q = torch.zeros_like(Wt)
+    scales = torch.zeros(width // groupsize, out)
+    zeros = torch.zeros(width // groupsize, out)
     for i1 in range(0, width, blocksize):
         i2 = min(i1 + blocksize, width)
-        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        W1, Hinv1 = Wt[i1:i2].clone(), Hinv[i1:i2, i1:i2]
         Err1 = torch.zeros_like(W1)
         for i in range(i2 - i1):
             col = i1 + i
             if col % groupsize == 0:
                 g = col // groupsize
-                scales[:, g], zeros[:, g] = int4_group_params(W1[:, i:i + groupsize])
-                s, z = scales[:, g], zeros[:, g]
-            q = int4_round(W1[:, i], s, z)
-            Q[:, col] = q
-            err = (W1[:, i] - (q * s + z)) / Hinv1[i, i]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    return Q.to(torch.uint8), scales, zeros
+                scales[g], zeros[g] = int4_group_params(W1[i:i + groupsize].T)
+                s, z = scales[g], zeros[g]
+            q = int4_round(W1[i], s, z)
+            Q[col] = q
+            err = (W1[i] - (q * s + z)) / Hinv1[i, i]
+            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)  # spread the error over the later columns
+            Err1[i] = err
+        Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1  # the lazy batch update of the columns after the block
+    return Q.T.to(torch.uint8).contiguous(), scales.T.contiguous(), zeros.T.contiguous()
 
 
 # ---------------------------------------------------------------- packing for the kernel

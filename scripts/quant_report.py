@@ -1,0 +1,83 @@
+"""Quality and size of quantized checkpoints against their float original, in one run.
+
+    python scripts/quant_report.py --model smollm2-135m
+    python scripts/quant_report.py --model qwen2.5-coder-0.5b --max_tokens 16384
+
+For checkpoints/MODEL it makes (with quantize.py, when missing) the int8, int4 g32 and GPTQ int4
+g32 checkpoints, runs eval.py on each and on the float one over the same text, and prints a table:
+checkpoint size (and % of float32), perplexity (and % above float), against the targets: int8
+within 1% of float, int4 g32 within 5%, GPTQ below round-to-nearest; int8 <= 30% of the float
+size, int4 <= 18%. Decode speed is scripts/bench.py's job (--quantized int8,int4-g32).
+"""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {  # label -> quantize.py arguments
+    "int8": ["--mode", "int8"],
+    "int4-g32": ["--mode", "int4", "--groupsize", "32"],
+    "int4-gptq-g32": ["--mode", "int4-gptq", "--groupsize", "32"],
+}
+
+
+def run(cmd: list) -> str:
+    r = subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        sys.exit(f"error: {' '.join(map(str, cmd[:3]))} ... failed (exit {r.returncode})")
+    return r.stdout
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="checkpoints/MODEL is the float checkpoint")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated from {', '.join(VARIANTS)}")
+    p.add_argument("--max_tokens", type=int, default=None, help="eval.py: score only the first N tokens")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    a = p.parse_args(argv)
+    base = REPO_ROOT / "checkpoints" / a.model
+    if not (base / "config.json").exists():
+        sys.exit(f"error: {base} not found (python scripts/prepare.py {a.model})")
+    rows = {"float32": base}
+    for label in a.variants.split(","):
+        out = base.parent / f"{base.name}-{label}"
+        if not (out / "config.json").exists():
+            print(f"[report] making {out}", file=sys.stderr, flush=True)
+            run(["quantize.py", "--checkpoint", base, *VARIANTS[label], "--out", out])
+        rows[label] = out
+    figures = {}
+    for label, ckpt in rows.items():
+        print(f"[report] eval.py on {ckpt}", file=sys.stderr, flush=True)
+        extra = ["--max_tokens", a.max_tokens] if a.max_tokens else []
+        last = run(["eval.py", "--checkpoint", ckpt, *extra]).strip().splitlines()[-1]
+        figures[label] = {"perplexity": float(last.split()[1]),
+                          "bytes": (ckpt / "model.safetensors").stat().st_size}
+    f = figures["float32"]
+    print(f"\n{a.model}: eval.py on data/hamlet.txt{f' (first {a.max_tokens} tokens)' if a.max_tokens else ''}")
+    print(f"{'checkpoint':16s} {'size MB':>8s} {'% of fp32':>9s} {'perplexity':>10s} {'vs fp32':>8s}")
+    for label, x in figures.items():
+        print(f"{label:16s} {x['bytes'] / 1e6:8.1f} {100 * x['bytes'] / f['bytes']:8.1f}% {x['perplexity']:10.3f} "
+              f"{100 * (x['perplexity'] / f['perplexity'] - 1):+7.2f}%")
+    checks = []
+    if "int8" in figures:
+        checks += [("int8 perplexity within 1%", figures["int8"]["perplexity"] <= 1.01 * f["perplexity"]),
+                   ("int8 size <= 30%", figures["int8"]["bytes"] <= 0.30 * f["bytes"])]
+    if "int4-g32" in figures:
+        checks += [("int4 g32 perplexity within 5%", figures["int4-g32"]["perplexity"] <= 1.05 * f["perplexity"]),
+                   ("int4 size <= 18%", figures["int4-g32"]["bytes"] <= 0.18 * f["bytes"])]
+    if "int4-g32" in figures and "int4-gptq-g32" in figures:
+        checks.append(("GPTQ closer to float than round-to-nearest",
+                       figures["int4-gptq-g32"]["perplexity"] < figures["int4-g32"]["perplexity"]))
+    for name, ok in checks:
+        print(f"{'met' if ok else 'NOT MET'}: {name}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"model": a.model, "max_tokens": a.max_tokens, "figures": figures,
+                                      "checks": dict(checks)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
