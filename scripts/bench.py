@@ -167,7 +167,7 @@ def engine_jobs(a, llama_ok: bool) -> list:
             jobs += [(engine, k) for k in dict.fromkeys(kinds)]
         else:
             jobs += [(engine, d) for d in a.dtypes]
-            if engine != "ours-eager":
+            if engine in ("ours", "ours-max"):
                 jobs += [(engine, q) for q in a.quantized]  # weights quantized, activations float32
     return jobs
 
