@@ -158,18 +158,38 @@ class RingKVCache(KVCache):
 
 
 class Linear(nn.Linear):
-    """nn.Linear, except for a float32 matrix-vector product (batch-1 decode) in a compiled graph
-    on CPU: spelled as multiply-and-sum, inductor turns it into one vectorized, multi-threaded
-    reduction that streams the weight near memory bandwidth, where BLAS gemv reached about half
-    of it on our AVX2 machines (SmolLM2-135M decode: 36 against 23 tokens/s). In eager mode the
-    product would be materialized, so there it stays F.linear."""
+    """nn.Linear, except for two CPU cases.
+
+    A float32 matrix-vector product (batch-1 decode) in a compiled graph is spelled as
+    multiply-and-sum: inductor turns it into one vectorized, multi-threaded reduction that
+    streams the weight near memory bandwidth, where BLAS gemv reached about half of it on our
+    AVX2 machines (SmolLM2-135M decode: 36 against 23 tokens/s). In eager mode the product
+    would be materialized, so there it stays F.linear.
+    A bfloat16 product of several tokens (prefill) on a CPU without bf16 instructions is done in
+    float32: oneDNN's bf16 GEMM is several times slower there than converting the weight."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if (torch.compiler.is_compiling() and x.dtype == torch.float32 and x.device.type == "cpu"
-                and x.shape[:-1].numel() == 1):
+        tokens = x.shape[:-1].numel()
+        if torch.compiler.is_compiling() and x.dtype == torch.float32 and x.device.type == "cpu" and tokens == 1:
             y = (self.weight * x.reshape(1, -1)).sum(-1).view(*x.shape[:-1], -1)  # (..., out_features)
             return y if self.bias is None else y + self.bias
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_HAS_BF16 and tokens > 1:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # one rounding, at the end
         return F.linear(x, self.weight, self.bias)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512-BF16 or AMX); True when unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+CPU_HAS_BF16 = cpu_has_bf16()  # read once: the compiled graph sees a constant
 
 
 class RMSNorm(nn.Module):

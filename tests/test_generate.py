@@ -50,6 +50,22 @@ def test_compiled_decode_matches_eager():
     assert compiled == eager
 
 
+def test_bfloat16_prefill_and_decode_match_float32_products(one_thread):
+    """model.Linear in bfloat16: several tokens (prefill; float32 products on CPUs without bf16
+    instructions), one token eager and compiled all give x W^T of the same bf16 numbers."""
+    import torch.nn.functional as F
+    from model import Linear
+    torch.manual_seed(0)
+    lin = Linear(64, 48, bias=True).to(torch.bfloat16)
+    w, b = lin.weight.float(), lin.bias.float()
+    compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
+    with torch.no_grad():
+        for x in (torch.randn(2, 5, 64).bfloat16(), torch.randn(1, 1, 64).bfloat16()):
+            expected = F.linear(x.float(), w, b)
+            torch.testing.assert_close(lin(x).float(), expected, atol=0.03, rtol=0.01)
+            torch.testing.assert_close(compiled(lin, x).float(), expected, atol=0.03, rtol=0.01)
+
+
 def test_top_k_and_top_p_keep_the_right_tokens():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
     p = logits_to_probs(logits, Sampling(temperature=1.0, top_k=2))
