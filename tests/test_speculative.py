@@ -86,7 +86,7 @@ def test_speculative_greedy_is_token_identical(target, proposer, k):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_draft_is_token_identical(target, mode, tmp_path):
     # a draft made by quantize.py from the target itself, loaded like any checkpoint
-    quantize = pytest.importorskip("quantize")  # written in parallel with this file
+    import quantize
     src = save_checkpoint(target, tmp_path / "float")
     quantize.main(["--checkpoint", str(src), "--mode", mode, "--groupsize", "32", "--out", str(tmp_path / mode)])
     draft = load_model(tmp_path / mode)

@@ -46,7 +46,7 @@ def run_worker(n: int, cases: list, tmp: Path, *extra) -> dict:
     (tmp / "cases.json").write_text(json.dumps(cases))
     r = torchrun(n, "tests/tp_worker.py", "--cases", tmp / "cases.json", "--out", tmp / "result.pt", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
-    return torch.load(tmp / "result.pt")
+    return torch.load(tmp / "result.pt", weights_only=True)
 
 
 def quantized(ckpt: Path, mode="int8", *extra) -> Path:
@@ -55,14 +55,6 @@ def quantized(ckpt: Path, mode="int8", *extra) -> Path:
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
-
-
-def have_quantize() -> bool:
-    return (ROOT / "quantize.py").exists()
-
-
-def have_speculative() -> bool:
-    return (ROOT / "speculative.py").exists()
 
 
 def tiny_models(tmp: Path) -> dict:
@@ -82,21 +74,20 @@ def tp2(tmp_path_factory):
     """One 2-rank job over every tiny case; returns (cases, results)."""
     tmp = tmp_path_factory.mktemp("tp2")
     ckpts = tiny_models(tmp)
-    if have_quantize():
-        ckpts.update({f"{name}-int8": quantized(ckpts[name]) for name in ("llama", "gemma")})
-        # int4 groups of 32: the uneven model's 2 + 1 query groups and 3 hidden groups split at group boundaries
-        ckpts.update({f"{name}-int4": quantized(ckpts[name], "int4", "--groupsize", "32")
-                      for name in ("llama", "uneven")})
+    ckpts.update({f"{name}-int8": quantized(ckpts[name]) for name in ("llama", "gemma")})
+    # int4 groups of 32: the uneven model's 2 + 1 query groups and 3 hidden groups split at group boundaries
+    ckpts.update({f"{name}-int4": quantized(ckpts[name], "int4", "--groupsize", "32")
+                  for name in ("llama", "uneven")})
     cases = [dict(name=f"{name}-b{len(prompts)}", checkpoint=str(ckpt), prompts=prompts, steps=STEPS)
              for name, ckpt in ckpts.items() for prompts in (PROMPTS_B1, PROMPTS_B2)]
     cases.append(dict(name="llama-compiled", checkpoint=str(ckpts["llama"]), prompts=PROMPTS_B1, steps=STEPS,
                       compile=True))
-    if have_speculative():  # the target and its draft both sharded
-        draft = save_checkpoint(random_model(seed=5, n_heads=4, n_kv_heads=2, n_layers=1), tmp / "draft")
-        cases += [dict(name="uneven-draft", checkpoint=str(ckpts["uneven"]), draft=str(draft), prompts=PROMPTS_B1,
-                       steps=12, speculate_k=3),
-                  dict(name="llama-ngram", checkpoint=str(ckpts["llama"]), ngram=2, prompts=[PROMPTS_B1[0] * 3],
-                       steps=12, speculate_k=4)]
+    # the target and its draft both sharded
+    draft = save_checkpoint(random_model(seed=5, n_heads=4, n_kv_heads=2, n_layers=1), tmp / "draft")
+    cases += [dict(name="uneven-draft", checkpoint=str(ckpts["uneven"]), draft=str(draft), prompts=PROMPTS_B1,
+                   steps=12, speculate_k=3),
+              dict(name="llama-ngram", checkpoint=str(ckpts["llama"]), ngram=2, prompts=[PROMPTS_B1[0] * 3],
+                   steps=12, speculate_k=4)]
     return {c["name"]: c for c in cases}, run_worker(2, cases, tmp)
 
 
@@ -121,8 +112,6 @@ def test_tp2_matches_single_process(tp2, name, batch):
 @pytest.mark.parametrize("name", ["llama-int8", "gemma-int8", "llama-int4", "uneven-int4"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_tp2_quantized_matches_single_process(tp2, name, batch):
-    if not have_quantize():
-        pytest.skip("quantize.py is not in this tree yet")
     cases, results = tp2
     key = f"{name}-b{batch}"
     assert_matches_single_process(cases[key], results[key])
@@ -140,8 +129,6 @@ def test_tp2_compiled_decode_matches_single_process(tp2):
 def test_tp2_speculative_greedy_is_token_identical(tp2, name):
     """Speculative decoding on sharded models (a sharded draft, or n-gram proposals) gives the
     single process's plain greedy tokens."""
-    if not have_speculative():
-        pytest.skip("speculative.py is not in this tree yet")
     cases, results = tp2
     case = cases[name]
     ref = run_case(load_model(case["checkpoint"]), case["prompts"], case["steps"])
@@ -159,8 +146,8 @@ def test_tp2_heads_and_bytes_per_rank(tp2):
     assert results["uneven-b1"]["n_heads"][0][0] == (4, 2) and results["uneven-b1"]["n_heads"][1][0] == (2, 1)
     sharded, replicated = sharded_bytes(load_model(cases["uneven-b1"]["checkpoint"]))
     assert sum(s for s, _ in results["uneven-b1"]["bytes"]) == sharded
-    if have_quantize():  # the int8 shards are int8 (about a quarter of float32's bytes), not dequantized
-        assert results["llama-int8-b1"]["bytes"][0][0] < 0.3 * results["llama-b1"]["bytes"][0][0]
+    # the int8 shards are int8 (about a quarter of float32's bytes), not dequantized
+    assert results["llama-int8-b1"]["bytes"][0][0] < 0.3 * results["llama-b1"]["bytes"][0][0]
 
 
 def test_tp3_smollm2_matches_single_process(smollm2_dir, tmp_path):
@@ -181,8 +168,6 @@ def test_tp3_smollm2_matches_single_process(smollm2_dir, tmp_path):
 def test_cli_tp2_prints_once_and_matches_single_process(smollm2_dir, tmp_path, speculate):
     """torchrun + generate.py on 2 ranks (SmolLM2's 9 heads split 6 + 3): the golden greedy text,
     printed once, and rank 0's metrics with every rank's memory; also with speculative decoding."""
-    if speculate and not have_speculative():
-        pytest.skip("speculative.py is not in this tree yet")
     golden = json.loads(GOLDEN.read_text())[0]
     metrics = tmp_path / "m.json"
     r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, "--prompt", golden["prompt"], "--no-compile",
