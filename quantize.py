@@ -26,7 +26,6 @@ At load time prepare_for_device() repacks the integers for the kernel: see pack_
 """
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
