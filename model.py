@@ -160,23 +160,35 @@ class RingKVCache(KVCache):
 class Linear(nn.Linear):
     """nn.Linear, except for two CPU cases.
 
-    A float32 matrix-vector product (batch-1 decode) in a compiled graph is spelled as
-    multiply-and-sum: inductor turns it into one vectorized, multi-threaded reduction that
-    streams the weight near memory bandwidth, where BLAS gemv reached about half of it on our
-    AVX2 machines (SmolLM2-135M decode: 36 against 23 tokens/s). In eager mode the product
-    would be materialized, so there it stays F.linear.
+    A matrix-vector product (batch-1 decode) in a compiled graph is spelled as multiply-and-sum
+    in float32: inductor turns it into one vectorized, multi-threaded reduction that streams the
+    weight (float32, or bfloat16/float16 widened in registers) near memory bandwidth, where BLAS
+    and oneDNN gemv reached about half of it on our AVX2 machines (SmolLM2-135M decode, float32:
+    36 against 23 tokens/s). In eager mode the product would be materialized, so there it stays
+    F.linear.
     A bfloat16 product of several tokens (prefill) on a CPU without bf16 instructions is done in
     float32: oneDNN's bf16 GEMM is several times slower there than converting the weight."""
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.shape[:-1].numel()
-        if torch.compiler.is_compiling() and x.dtype == torch.float32 and x.device.type == "cpu" and tokens == 1:
-            y = (self.weight * x.reshape(1, -1)).sum(-1).view(*x.shape[:-1], -1)  # (..., out_features)
+        if torch.compiler.is_compiling() and x.device.type == "cpu" and tokens == 1:
+            xr = realized(x.reshape(1, -1))
+            y = (self.weight.float() * xr.float()).sum(-1).to(x.dtype)
+            y = y.view(*x.shape[:-1], -1)  # (..., out_features)
             return y if self.bias is None else y + self.bias
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_HAS_BF16 and tokens > 1:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # one rounding, at the end
         return F.linear(x, self.weight, self.bias)
+
+
+def realized(x: Tensor) -> Tensor:
+    """x, stored to memory inside a compiled graph. Inductor otherwise inlines a cheap producer
+    (RMSNorm, the residual add) into the matrix-vector reduction that reads x, and recomputes it
+    for every output row: bfloat16 decode ran at 38 instead of 44 tokens/s."""
+    if torch.compiler.is_compiling():
+        return torch.ops.prims.inductor_force_stride_order(x, x.stride())
+    return x
 
 
 def cpu_has_bf16() -> bool:
@@ -291,7 +303,16 @@ class Attention(nn.Module):
         group = nh // nkv
         q = q.reshape(B, nkv, group * T, hd)  # (B, n_kv_heads, group*T, head_dim)
         mask = mask.unsqueeze(2).expand(B, 1, group, T, mask.shape[-1]).reshape(B, 1, group * T, -1)
-        if self.softcap:  # SDPA cannot soft-cap the scores: spell attention out
+        if T == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+            # decode: spelled out, inductor fuses it into the layer's kernel; CPU SDPA costs about
+            # 90 us a call here, mostly fixed overhead (3 ms of a 22 ms SmolLM2 token)
+            scores = (q.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1)  # (B, n_kv_heads, group, S)
+            scores = scores * (self.scale or hd ** -0.5)
+            if self.softcap:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            probs = torch.softmax(scores + mask, dim=-1)
+            y = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2).to(q.dtype)  # (B, n_kv_heads, group, head_dim)
+        elif self.softcap:  # SDPA cannot soft-cap the scores: spell attention out
             scores = q @ k.transpose(-2, -1) * (self.scale or hd ** -0.5)  # (B, n_kv_heads, group*T, S)
             scores = torch.tanh(scores / self.softcap) * self.softcap + mask
             y = torch.softmax(scores.float(), dim=-1).type_as(q) @ v

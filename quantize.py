@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import ConfigError, ModelArgs, realized
+
 MODES = ("int8", "int4", "int4-gptq")
 GROUPSIZES = (32, 64, 128, 256)  # the int4 kernel handles 32 and multiples of 64
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "macbeth.txt"
@@ -231,7 +233,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if use_kernel(x):
             blocks = self.packed.shape[1]
-            xb = F.pad(x.reshape(-1).float(), (0, blocks * 32 - x.shape[-1])).view(blocks, 4, 8)
+            xb = realized(F.pad(x.reshape(-1).float(), (0, blocks * 32 - x.shape[-1]))).view(blocks, 4, 8)
             y = (unpack_int8(self.packed).float() * xb).sum((-3, -2, -1)) * self.scales  # (out,)
             y = y.to(x.dtype).view(*x.shape[:-1], -1)
         else:
@@ -289,7 +291,7 @@ class Int4Linear(nn.Module):
         if use_kernel(x):
             q, s, z = self.grouped(self.packed)
             width = self.packed.shape[1] * 64
-            xb = F.pad(x.reshape(-1).float(), (0, width - x.shape[-1])).view(q.shape[1:])
+            xb = realized(F.pad(x.reshape(-1).float(), (0, width - x.shape[-1]))).view(q.shape[1:])
             y = ((q.float() * s + z) * xb).sum((-4, -3, -2, -1))  # (out,)
             y = y.to(x.dtype).view(*x.shape[:-1], -1)
         else:
@@ -493,7 +495,6 @@ def main(argv=None):
     if a.mode == "int4-gptq" and not a.calibration.is_file():
         raise QuantizeError(f"calibration file {a.calibration} not found")
     from generate import UserError, load_model
-    from model import ConfigError, ModelArgs
     try:
         args = ModelArgs.from_json(a.checkpoint / "config.json")
     except FileNotFoundError:

@@ -50,6 +50,31 @@ def test_compiled_decode_matches_eager():
     assert compiled == eager
 
 
+@pytest.mark.parametrize("variant", [
+    dict(n_kv_heads=1, attention_bias=True),  # MQA, q/k/v biases
+    dict(sliding_window=5, attn_logit_softcapping=20.0, tie_word_embeddings=False),  # ring cache, soft-capping
+])
+def test_compiled_decode_step_logits_match_eager(variant):
+    """The compiled CPU decode step spells attention and the matrix-vector products out
+    (model.Attention, model.Linear): its logits equal eager ones at every step."""
+    model = random_model(**variant)
+    step = torch.compile(lambda m, t, p: m(t, p), fullgraph=True)
+    with torch.inference_mode():
+        model.setup_caches(1, 32)
+        prompt = torch.arange(3, 11).view(1, -1)
+        model(prompt, torch.arange(8))
+        cache = [(layer.attention.kv_cache.k_cache.clone(), layer.attention.kv_cache.v_cache.clone())
+                 for layer in model.layers]
+        tokens = [17, 99, 4, 250, 31, 8, 77, 140]
+        eager = [model(torch.tensor([[t]]), torch.tensor([8 + i])) for i, t in enumerate(tokens)]
+        for layer, (k, v) in zip(model.layers, cache):  # rewind the cache to the end of the prompt
+            layer.attention.kv_cache.k_cache.copy_(k)
+            layer.attention.kv_cache.v_cache.copy_(v)
+        for i, t in enumerate(tokens):
+            got = step(model, torch.tensor([[t]]), torch.tensor([8 + i]))
+            torch.testing.assert_close(got, eager[i], atol=1e-4, rtol=0)
+
+
 def test_bfloat16_prefill_and_decode_match_float32_products(one_thread):
     """model.Linear in bfloat16: several tokens (prefill; float32 products on CPUs without bf16
     instructions), one token eager and compiled all give x W^T of the same bf16 numbers."""
