@@ -56,23 +56,36 @@ def test_compiled_decode_matches_eager():
 ])
 def test_compiled_decode_step_logits_match_eager(variant):
     """The compiled CPU decode step spells attention and the matrix-vector products out
-    (model.Attention, model.Linear): its logits equal eager ones at every step."""
+    (model.Attention, model.Linear): its logits equal eager ones at every step, and so do those
+    of a compiled 5-token forward (speculative verification)."""
     model = random_model(**variant)
     step = torch.compile(lambda m, t, p: m(t, p), fullgraph=True)
     with torch.inference_mode():
         model.setup_caches(1, 32)
         prompt = torch.arange(3, 11).view(1, -1)
         model(prompt, torch.arange(8))
-        cache = [(layer.attention.kv_cache.k_cache.clone(), layer.attention.kv_cache.v_cache.clone())
-                 for layer in model.layers]
+        caches = [layer.attention.kv_cache for layer in model.layers]
+
+        def snapshot():
+            return [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]
+
+        def rewind(saved):  # a ring cache must not see the same positions written twice
+            for c, (k, v) in zip(caches, saved):
+                c.k_cache.copy_(k)
+                c.v_cache.copy_(v)
+
+        after_prompt = snapshot()
         tokens = [17, 99, 4, 250, 31, 8, 77, 140]
         eager = [model(torch.tensor([[t]]), torch.tensor([8 + i])) for i, t in enumerate(tokens)]
-        for layer, (k, v) in zip(model.layers, cache):  # rewind the cache to the end of the prompt
-            layer.attention.kv_cache.k_cache.copy_(k)
-            layer.attention.kv_cache.v_cache.copy_(v)
+        after_steps = snapshot()
+        rewind(after_prompt)
         for i, t in enumerate(tokens):
             got = step(model, torch.tensor([[t]]), torch.tensor([8 + i]))
             torch.testing.assert_close(got, eager[i], atol=1e-4, rtol=0)
+        chunk, chunk_pos = torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(16, 21)
+        expected = model(chunk, chunk_pos)
+        rewind(after_steps)
+        torch.testing.assert_close(step(model, chunk, chunk_pos), expected, atol=1e-4, rtol=0)
 
 
 def test_bfloat16_prefill_and_decode_match_float32_products(one_thread):
