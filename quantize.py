@@ -234,7 +234,11 @@ class Int8Linear(nn.Module):
         if use_kernel(x):
             blocks = self.packed.shape[1]
             xb = realized(F.pad(x.reshape(-1).float(), (0, blocks * 32 - x.shape[-1]))).view(blocks, 4, 8)
-            y = (unpack_int8(self.packed).float() * xb).sum((-3, -2, -1)) * self.scales  # (out,)
+            lanes = self.packed.view(torch.int32)  # (out, blocks, 8)
+            # one load of 8 lanes, then each byte shifted out and multiplied: written as a sum of
+            # four terms so that the generated loop has no index arithmetic to pick the shift
+            acc = sum(((lanes << (24 - 8 * k)) >> 24).float() * xb[:, k] for k in range(4))
+            y = acc.sum((-2, -1)) * self.scales  # (out,)
             y = y.to(x.dtype).view(*x.shape[:-1], -1)
         else:
             y = F.linear(x, self.dequantized(x.dtype))
