@@ -190,10 +190,15 @@ def pack_int4(q: Tensor) -> Tensor:
     return lanes.contiguous().view(torch.float32)
 
 
+def int8_byte(lanes: Tensor, k: int) -> Tensor:
+    """The k-th byte of int32 lanes, sign-extended: the int8 in column 8*k + lane of each block."""
+    return (lanes << (24 - 8 * k)) >> 24
+
+
 def unpack_int8(packed: Tensor) -> Tensor:
     """packed (..., blocks, 8) -> int32 values (..., blocks, 4, 8): column 32*b + 8*k + l."""
-    shifts = torch.tensor([24, 16, 8, 0], dtype=torch.int32, device=packed.device).view(4, 1)
-    return (packed.view(torch.int32).unsqueeze(-2) << shifts) >> 24
+    lanes = packed.view(torch.int32)
+    return torch.stack([int8_byte(lanes, k) for k in range(4)], dim=-2)
 
 
 def unpack_int4(packed: Tensor, split: int = 1) -> Tensor:
@@ -237,7 +242,7 @@ class Int8Linear(nn.Module):
             lanes = self.packed.view(torch.int32)  # (out, blocks, 8)
             # one load of 8 lanes, then each byte shifted out and multiplied: written as a sum of
             # four terms so that the generated loop has no index arithmetic to pick the shift
-            acc = sum(((lanes << (24 - 8 * k)) >> 24).float() * xb[:, k] for k in range(4))
+            acc = sum(int8_byte(lanes, k).float() * xb[:, k] for k in range(4))
             y = acc.sum((-2, -1)) * self.scales  # (out,)
             y = y.to(x.dtype).view(*x.shape[:-1], -1)
         else:
