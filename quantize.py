@@ -190,15 +190,16 @@ def pack_int4(q: Tensor) -> Tensor:
     return lanes.contiguous().view(torch.float32)
 
 
-def int8_byte(lanes: Tensor, k: int) -> Tensor:
-    """The k-th byte of int32 lanes, sign-extended: the int8 in column 8*k + lane of each block."""
+def int8_byte(lanes: Tensor, k) -> Tensor:
+    """The k-th byte (an int, or a tensor of them that broadcasts) of int32 lanes, sign-extended:
+    the int8 in column 8*k + lane of each block."""
     return (lanes << (24 - 8 * k)) >> 24
 
 
 def unpack_int8(packed: Tensor) -> Tensor:
     """packed (..., blocks, 8) -> int32 values (..., blocks, 4, 8): column 32*b + 8*k + l."""
-    lanes = packed.view(torch.int32)
-    return torch.stack([int8_byte(lanes, k) for k in range(4)], dim=-2)
+    k = torch.arange(4, dtype=torch.int32, device=packed.device).view(4, 1)
+    return int8_byte(packed.view(torch.int32).unsqueeze(-2), k)
 
 
 def unpack_int4(packed: Tensor, split: int = 1) -> Tensor:

@@ -302,3 +302,10 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--update-golden"]:
         sys.path.insert(0, str(ROOT))
         update_golden()
+
+
+def test_bench_kernels_script_help_and_missing_checkpoint(tmp_path):
+    r = run_script("scripts/bench_kernels.py", "--help")
+    assert r.returncode == 0 and "--what" in r.stdout
+    r = run_script("scripts/bench_kernels.py", "--checkpoint", tmp_path / "nothing", "--what", "layers")
+    assert r.returncode == 1 and r.stderr.strip().startswith("error: no checkpoint at")

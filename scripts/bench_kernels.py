@@ -1,0 +1,217 @@
+"""The measurements behind the kernel choices in the README, on one model's layer shapes.
+
+    python scripts/bench_kernels.py --what layers    # one decode token's products, per kernel
+    python scripts/bench_kernels.py --what verify    # a compiled (k+1)-token verify vs a decode step
+    python scripts/bench_kernels.py --what prefill   # where a 494-token prefill spends its time
+
+Every row of a table is timed in the same process, in interleaved rounds (median shown), so
+the ratios hold even when the machine drifts. Speeds of whole runs are scripts/bench.py's job.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import quantize as Q  # noqa: E402
+from generate import Sampling, decode_one_token, load_model, prefill  # noqa: E402
+from model import Linear, ModelArgs, realized  # noqa: E402
+
+
+def timed(fns: dict, rounds: int, calls: int) -> dict:
+    """name -> median milliseconds per call, over interleaved rounds after a warm-up."""
+    times = {name: [] for name in fns}
+    for f in fns.values():
+        for _ in range(3):
+            f()
+    for _ in range(rounds):
+        for name, f in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                f()
+            times[name].append((time.perf_counter() - t) / calls * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def layer_shapes(args: ModelArgs) -> list:
+    """(out, in) of one block's products: wqkv, wo, w1, w3, w2."""
+    qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+    return [(qkv, args.dim), (args.dim, args.n_heads * args.head_dim), (args.intermediate_size, args.dim),
+            (args.intermediate_size, args.dim), (args.dim, args.intermediate_size)]
+
+
+def int8_unpack_then_reduce(layer: Q.Int8Linear, x):
+    """The int8 kernel before this form was replaced: unpack to (out, blocks, 4, 8), then one reduction."""
+    blocks = layer.packed.shape[1]
+    xb = realized(F.pad(x.reshape(-1), (0, blocks * 32 - x.shape[-1]))).view(blocks, 4, 8)
+    return (Q.unpack_int8(layer.packed).float() * xb).sum((-3, -2, -1)) * layer.scales
+
+
+def bench_layers(args: ModelArgs, a):
+    """One decode token's products over all blocks (milliseconds per token), by kernel."""
+    torch.manual_seed(0)
+    shapes = layer_shapes(args)
+    weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
+    xs = [torch.randn(1, 1, i) for _, i in shapes]
+
+    def linears(dtype):
+        mods = []
+        for w in weights:
+            lin = Linear(w.shape[1], w.shape[0], bias=False)
+            lin.weight.data = w.to(dtype)
+            mods.append(lin)
+        return mods
+
+    def int8_layers():
+        mods = []
+        for w in weights:
+            q, s = Q.quantize_int8(w)
+            m = Q.Int8Linear(w.shape[1], w.shape[0])
+            m.weight, m.scales = q, s
+            m.pack({})
+            mods.append(m)
+        return mods
+
+    def int4_layers():
+        mods = []
+        for w in weights:
+            q, s, z = Q.quantize_int4(w, 32)
+            m = Q.Int4Linear(w.shape[1], w.shape[0], 32)
+            m.weight, m.scales, m.zeros = Q.nibbles_to_bytes(q), s.half(), z.half()
+            m.pack({})
+            mods.append(m)
+        return mods
+
+    def compiled(mods, call=lambda m, x: m(x)):
+        f = torch.compile(lambda ms, xs: [call(m, x) for m, x in zip(ms, xs)], fullgraph=True)
+        return lambda: f(mods, xs)
+
+    f32, b16, i8, i4 = linears(torch.float32), linears(torch.bfloat16), int8_layers(), int4_layers()
+    int8_rows = [Q.quantize_int8(w) for w in weights]
+    xs16 = [x.reshape(1, -1).bfloat16() for x in xs]
+    packed_fbgemm = []
+    for w in weights:  # fbgemm's dynamic int8 linear: int8 weights, activations quantized per call
+        s = w.abs().amax(1) / 127
+        qw = torch.quantize_per_channel(w, s.double(), torch.zeros(len(s), dtype=torch.long), 0, torch.qint8)
+        packed_fbgemm.append(torch.ops.quantized.linear_prepack(qw, None))
+    int8_t = [q.t().contiguous() for q, _ in int8_rows]  # (in, out) for torch._int_mm
+
+    def int_mm(x, qt, scales):  # activations quantized per call (symmetric, one scale), int32 product
+        xs = x.reshape(1, -1).abs().amax() / 127
+        xq = (x.reshape(1, -1) / xs).round().to(torch.int8)
+        return torch._int_mm(xq, qt).float() * xs * scales
+
+    fns = {
+        "float32 F.linear (BLAS gemv), eager": lambda: [F.linear(x, m.weight) for m, x in zip(f32, xs)],
+        "float32 multiply-and-sum, compiled (ours)": compiled(f32),
+        "bfloat16 F.linear (oneDNN), eager": lambda: [F.linear(x.bfloat16(), m.weight) for m, x in zip(b16, xs)],
+        "bfloat16 multiply-and-sum, compiled (ours)": compiled(b16),
+        "int8 four shifted terms, compiled (ours)": compiled(i8),
+        "int8 unpack then reduce, compiled (before)": compiled(i8, int8_unpack_then_reduce),
+        "int8 _weight_int8pack_mm, bf16 activations": lambda: [
+            torch.ops.aten._weight_int8pack_mm(x, q, s.bfloat16()) for x, (q, s) in zip(xs16, int8_rows)],
+        "int8 fbgemm quantized::linear_dynamic": lambda: [
+            torch.ops.quantized.linear_dynamic(x.reshape(1, -1), p, True) for x, p in zip(xs, packed_fbgemm)],
+        "int8 torch._int_mm, int8 activations": lambda: [
+            int_mm(x, qt, sc) for x, qt, (_, sc) in zip(xs, int8_t, int8_rows)],
+        "int4 g32, compiled (ours)": compiled(i4),
+    }
+    weights_mb = sum(w.numel() for w in weights) * args.n_layers / 1e6
+    print(f"one decode token's products over {args.n_layers} blocks ({weights_mb:.0f}M weights), "
+          f"median of {a.rounds} interleaved rounds; per-call overhead included")
+    print("| kernel | ms per token |\n|---|---|")
+    with torch.inference_mode():
+        for name, ms in timed(fns, a.rounds, a.calls).items():
+            print(f"| {name} | {ms * args.n_layers:.2f} |")
+
+
+def bench_verify(model, a):
+    """A decode step against a (k+1)-token forward, compiled and eager; and one layer's product
+    at several token counts, multiply-and-sum against BLAS."""
+    s, pad = Sampling(), torch.zeros(1, dtype=torch.long)
+    model.setup_caches(1, 512)
+    step = torch.compile(decode_one_token, fullgraph=True)
+    verify = torch.compile(lambda m, t, p: m(t, p)[0].argmax(-1), fullgraph=True, dynamic=False)
+    k = a.speculate_k
+    tokens, positions = torch.arange(5, 6 + k).view(1, -1), torch.arange(100, 101 + k)
+    cur, pos = torch.tensor([[5]]), torch.tensor([100])
+    with torch.inference_mode():
+        ms = timed({"decode step, compiled": lambda: step(model, cur, pos, pad, s),
+                    f"{k + 1}-token verify, compiled": lambda: verify(model, tokens, positions),
+                    f"{k + 1}-token forward, eager": lambda: model(tokens, positions)}, a.rounds, 5)
+    print(f"| forward ({model.args.dim}-dim model, 512-slot cache) | ms | decode steps |\n|---|---|---|")
+    for name, t in ms.items():
+        print(f"| {name} | {t:.1f} | {t / ms['decode step, compiled']:.2f} |")
+
+    out, inp = model.args.intermediate_size, model.args.dim
+    w = torch.randn(out, inp)
+    # (out, T): each weight row read once and reused for every token; inductor keeps one accumulator
+    mulsum = torch.compile(lambda w, x: (w[:, None, :] * realized(x)).sum(-1).t(), fullgraph=True, dynamic=False)
+    print(f"\n| tokens | {out}x{inp} multiply-and-sum, compiled, us | F.linear (BLAS), us |\n|---|---|---|")
+    with torch.inference_mode():
+        for T in (1, 2, 4, 9, 16):
+            x = torch.randn(T, inp)
+            r = timed({"mulsum": lambda: mulsum(w, x), "blas": lambda: F.linear(x, w)}, a.rounds, 50)
+            print(f"| {T} | {r['mulsum'] * 1e3:.0f} | {r['blas'] * 1e3:.0f} |")
+
+
+def bench_prefill(model, a):
+    """Operator shares of an eager 494-token prefill, then eager against compiled prefill."""
+    T = 494
+    model.setup_caches(1, 640)
+    tokens, positions = torch.randint(0, model.args.vocab_size, (1, T)), torch.arange(T)
+    pad, s = torch.zeros(1, dtype=torch.long), Sampling()
+    compiled = torch.compile(prefill, dynamic=True, fullgraph=True)
+    with torch.inference_mode():
+        prefill(model, tokens, positions, pad, s, T)
+        with torch.profiler.profile() as prof:
+            prefill(model, tokens, positions, pad, s, T)
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        print(f"| operator (eager {T}-token prefill) | share of self CPU time |\n|---|---|")
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]:
+            print(f"| {e.key} | {100 * e.self_cpu_time_total / total:.0f}% |")
+        ms = timed({"eager": lambda: prefill(model, tokens, positions, pad, s, T),
+                    "compiled (--compile_prefill)": lambda: compiled(model, tokens, positions, pad, s, T)},
+                   a.rounds, 1)
+    print(f"\n| {T}-token prefill | ms |\n|---|---|")
+    for name, t in ms.items():
+        print(f"| {name} | {t:.0f} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "smollm2-135m",
+                   help="model whose shapes (layers) or weights (verify, prefill) are used")
+    p.add_argument("--what", choices=["layers", "verify", "prefill", "all"], default="all")
+    p.add_argument("--speculate_k", type=int, default=8, help="verify: proposals per verify forward")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is shown")
+    p.add_argument("--calls", type=int, default=20, help="layers: calls per round")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    if not (a.checkpoint / "config.json").is_file():
+        print(f"error: no checkpoint at {a.checkpoint} (run scripts/prepare.py smollm2-135m)", file=sys.stderr)
+        return 1
+    torch.set_num_threads(a.threads)
+    if a.what in ("layers", "all"):
+        bench_layers(ModelArgs.from_json(a.checkpoint / "config.json"), a)
+    if a.what in ("verify", "prefill", "all"):
+        model = load_model(a.checkpoint, torch.device("cpu"), torch.float32)
+        if a.what in ("verify", "all"):
+            print()
+            bench_verify(model, a)
+        if a.what in ("prefill", "all"):
+            print()
+            bench_prefill(model, a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
