@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import kernels
 from model import ConfigError, ModelArgs, realized
 
 MODES = ("int8", "int4", "int4-gptq")
@@ -210,9 +211,23 @@ def unpack_int4(packed: Tensor, split: int = 1) -> Tensor:
 
 
 def use_kernel(x: Tensor) -> bool:
-    # a compiled matrix-vector product (batch-1 decode); prefill and eager runs dequantize
-    # the whole weight and call the float matmul
+    # a compiled matrix-vector product (batch-1 decode) is the expression below, fused by inductor
+    # with the rest of the layer
     return torch.compiler.is_compiling() and x.shape[:-1].numel() == 1
+
+
+def use_cpu_kernel(x: Tensor) -> bool:
+    # otherwise up to 16 tokens on CPU (a verify, a short prompt, eager decode): kernels.py's
+    # hand-written loop, which unpacks in registers and reads the weight once for all tokens.
+    # (For one compiled token it streamed no faster than inductor's code, about 9-11 GB/s of int8
+    # weights, and the calls out of the fused graph cost more: 43 against 64 tokens/s for int8.)
+    # Longer prompts dequantize the whole weight and call the float matmul.
+    return x.device.type == "cpu" and x.shape[:-1].numel() <= kernels.MAX_TOKENS and kernels.available()
+
+
+def padded_tokens(x: Tensor, width: int) -> Tensor:
+    """x (..., in) -> float32 (tokens, width), zero columns appended to the packed width."""
+    return F.pad(x.reshape(-1, x.shape[-1]).float(), (0, width - x.shape[-1]))
 
 
 class Int8Linear(nn.Module):
@@ -245,6 +260,10 @@ class Int8Linear(nn.Module):
             # four terms so that the generated loop has no index arithmetic to pick the shift
             acc = sum(int8_byte(lanes, k).float() * xb[:, k] for k in range(4))
             y = acc.sum((-2, -1)) * self.scales  # (out,)
+            y = y.to(x.dtype).view(*x.shape[:-1], -1)
+        elif use_cpu_kernel(x):
+            lanes = self.packed.view(torch.int32).view(self.out_features, -1)  # (out, blocks * 8)
+            y = kernels.int8_linear(padded_tokens(x, lanes.shape[1] * 4), lanes, self.scales)
             y = y.to(x.dtype).view(*x.shape[:-1], -1)
         else:
             y = F.linear(x, self.dequantized(x.dtype))
@@ -303,6 +322,10 @@ class Int4Linear(nn.Module):
             width = self.packed.shape[1] * 64
             xb = realized(F.pad(x.reshape(-1).float(), (0, width - x.shape[-1]))).view(q.shape[1:])
             y = ((q.float() * s + z) * xb).sum((-4, -3, -2, -1))  # (out,)
+            y = y.to(x.dtype).view(*x.shape[:-1], -1)
+        elif use_cpu_kernel(x):
+            lanes = self.packed.view(torch.int32).view(self.out_features, -1)  # (out, blocks * 8)
+            y = kernels.int4_linear(padded_tokens(x, lanes.shape[1] * 8), lanes, self.scales, self.zeros)
             y = y.to(x.dtype).view(*x.shape[:-1], -1)
         else:
             y = F.linear(x, self.dequantized(x.dtype))

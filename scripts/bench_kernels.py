@@ -19,6 +19,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import kernels  # noqa: E402
 import quantize as Q  # noqa: E402
 from generate import Sampling, decode_one_token, load_model, prefill  # noqa: E402
 from model import Linear, ModelArgs, realized  # noqa: E402
@@ -141,10 +142,21 @@ def bench_verify(model, a):
     k = a.speculate_k
     tokens, positions = torch.arange(5, 6 + k).view(1, -1), torch.arange(100, 101 + k)
     cur, pos = torch.tensor([[5]]), torch.tensor([100])
+    def blas_only(f):  # the same call with kernels.small_linear switched off (eager only: a
+        def g():       # compiled graph reads the switch once, when it is traced)
+            kernels._state["built"], on = False, kernels._state["built"]
+            try:
+                return f()
+            finally:
+                kernels._state["built"] = on
+        return g
+
     with torch.inference_mode():
         ms = timed({"decode step, compiled": lambda: step(model, cur, pos, pad, s),
                     f"{k + 1}-token verify, compiled": lambda: verify(model, tokens, positions),
-                    f"{k + 1}-token forward, eager": lambda: model(tokens, positions)}, a.rounds, 5)
+                    f"{k + 1}-token forward, eager": lambda: model(tokens, positions),
+                    f"{k + 1}-token forward, eager, BLAS only": blas_only(lambda: model(tokens, positions))},
+                   a.rounds, 5)
     print(f"| forward ({model.args.dim}-dim model, 512-slot cache) | ms | decode steps |\n|---|---|---|")
     for name, t in ms.items():
         print(f"| {name} | {t:.1f} | {t / ms['decode step, compiled']:.2f} |")
@@ -153,12 +165,14 @@ def bench_verify(model, a):
     w = torch.randn(out, inp)
     # (out, T): each weight row read once and reused for every token; inductor keeps one accumulator
     mulsum = torch.compile(lambda w, x: (w[:, None, :] * realized(x)).sum(-1).t(), fullgraph=True, dynamic=False)
-    print(f"\n| tokens | {out}x{inp} multiply-and-sum, compiled, us | F.linear (BLAS), us |\n|---|---|---|")
+    print(f"\n| tokens | {out}x{inp} multiply-and-sum, compiled, us | F.linear (BLAS), us | kernels.small_linear, us |"
+          "\n|---|---|---|---|")
     with torch.inference_mode():
         for T in (1, 2, 4, 9, 16):
             x = torch.randn(T, inp)
-            r = timed({"mulsum": lambda: mulsum(w, x), "blas": lambda: F.linear(x, w)}, a.rounds, 50)
-            print(f"| {T} | {r['mulsum'] * 1e3:.0f} | {r['blas'] * 1e3:.0f} |")
+            r = timed({"mulsum": lambda: mulsum(w, x), "blas": lambda: F.linear(x, w),
+                       "small": lambda: kernels.small_linear(x, w)}, a.rounds, 50)
+            print(f"| {T} | {r['mulsum'] * 1e3:.0f} | {r['blas'] * 1e3:.0f} | {r['small'] * 1e3:.0f} |")
 
 
 def bench_prefill(model, a):

@@ -9,6 +9,11 @@ Cases (--case, default: all that can run):
          (generate.py --draft_checkpoint ... --speculate_k 5).
          Needs: python scripts/prepare.py qwen2.5-coder-0.5b && python scripts/prepare.py qwen2.5-coder-1.5b
          Target: at least 1.6x plain decoding of the 1.5B.
+  qwen-int8  the same with an int8 copy of the 0.5B as the draft (its decode step reads a quarter
+         of the bytes; its greedy tokens almost always equal the float draft's).
+         Needs: the qwen case's models and
+         python quantize.py --checkpoint checkpoints/qwen2.5-coder-0.5b --mode int8
+         Target: at least 1.6x plain decoding of the 1.5B.
   int4   an int4 copy of SmolLM2-135M (group size 32) drafting for the float32 model, on the
          ngram case's prompts and a few open questions.
          Needs: python quantize.py --checkpoint checkpoints/smollm2-135m --mode int4 --groupsize 32
@@ -103,6 +108,8 @@ OPEN = [
 CASES = {
     "ngram": dict(target="smollm2-135m", draft=None, ngram=3, k=8, prompts=GROUNDED, goal=2.0),
     "qwen": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", ngram=None, k=5, prompts=CODE, goal=1.6),
+    "qwen-int8": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b-int8", ngram=None, k=5, prompts=CODE,
+                      goal=1.6),
     "int4": dict(target="smollm2-135m", draft="smollm2-135m-int4-g32", ngram=None, k=5, prompts=GROUNDED + OPEN,
                  goal=None),
 }
@@ -110,6 +117,7 @@ NEEDS = {
     "smollm2-135m": "python scripts/prepare.py smollm2-135m",
     "qwen2.5-coder-0.5b": "python scripts/prepare.py qwen2.5-coder-0.5b",
     "qwen2.5-coder-1.5b": "python scripts/prepare.py qwen2.5-coder-1.5b",
+    "qwen2.5-coder-0.5b-int8": "python quantize.py --checkpoint checkpoints/qwen2.5-coder-0.5b --mode int8",
     "smollm2-135m-int4-g32": "python quantize.py --checkpoint checkpoints/smollm2-135m --mode int4 --groupsize 32",
 }
 

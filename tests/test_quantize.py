@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 import quantize as Q
 from conftest import ROOT, random_model, run_script, save_checkpoint
 
@@ -91,19 +92,28 @@ def make_layer(kind, in_features, out_features, groupsize=32, bias=False, seed=0
     return layer, w_hat, state.get("bias")
 
 
-LAYERS = [("int8", 40, 24, 32), ("int8", 576, 100, 32), ("int4", 96, 24, 32), ("int4", 576, 40, 128),
+LAYERS = [("int8", 40, 23, 32), ("int8", 576, 100, 32), ("int4", 96, 21, 32), ("int4", 576, 40, 128),
           ("int4", 256, 16, 64), ("int4", 512, 8, 256)]
 
 
+@pytest.mark.parametrize("cpp_kernel", [True, False], ids=["cpp-kernel", "no-cpp-kernel"])
 @pytest.mark.parametrize("kind,in_features,out_features,groupsize", LAYERS)
-def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_features, groupsize, one_thread):
+def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_features, groupsize, cpp_kernel,
+                                                    one_thread, monkeypatch):
+    """Every path of a quantized linear: kernels.py's loop (up to 16 tokens, eager or compiled) or,
+    without it, the compiled unpacking expression (one token) and dequantize + matmul (eager)."""
+    if cpp_kernel:
+        assert kernels.available()
+    else:
+        monkeypatch.setitem(kernels._state, "built", False)
+    torch._dynamo.reset()  # a compiled graph reads kernels.available() when it is traced
     layer, w_hat, bias = make_layer(kind, in_features, out_features, groupsize, bias=True)
-    x = torch.randn(3, 5, in_features)
-    expected = F.linear(x, w_hat, bias)
-    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)  # eager: dequantize + matmul
+    for x in (torch.randn(3, 5, in_features), torch.randn(1, 17, in_features), torch.randn(2, in_features)):
+        torch.testing.assert_close(layer(x), F.linear(x, w_hat, bias), atol=1e-4, rtol=1e-4)
     x1 = torch.randn(1, 1, in_features)
-    compiled = torch.compile(lambda m, v: m(v), fullgraph=True)  # the packed matrix-vector kernel
+    compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
     torch.testing.assert_close(compiled(layer, x1), F.linear(x1, w_hat, bias), atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()
 
 
 def test_quantized_embedding_rows(one_thread):
