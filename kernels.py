@@ -245,6 +245,8 @@ def _build() -> bool:
         return False
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return False
+    # the ninja that requirements.txt installs sits next to this Python, maybe not on PATH
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load_inline
         print("kernels.py: loading the CPU kernels (built once per machine, ~1 min)", file=sys.stderr)

@@ -133,8 +133,9 @@ def bench_layers(args: ModelArgs, a):
 
 
 def bench_verify(model, a):
-    """A decode step against a (k+1)-token forward, compiled and eager; and one layer's product
-    at several token counts, multiply-and-sum against BLAS."""
+    """A decode step against a (k+1)-token forward (compiled with kernels.small_linear, compiled
+    with BLAS, eager); and one layer's product at several token counts: compiled
+    multiply-and-sum, BLAS and kernels.small_linear."""
     s, pad = Sampling(), torch.zeros(1, dtype=torch.long)
     model.setup_caches(1, 512)
     step = torch.compile(decode_one_token, fullgraph=True)
@@ -142,21 +143,20 @@ def bench_verify(model, a):
     k = a.speculate_k
     tokens, positions = torch.arange(5, 6 + k).view(1, -1), torch.arange(100, 101 + k)
     cur, pos = torch.tensor([[5]]), torch.tensor([100])
-    def blas_only(f):  # the same call with kernels.small_linear switched off (eager only: a
-        def g():       # compiled graph reads the switch once, when it is traced)
-            kernels._state["built"], on = False, kernels._state["built"]
-            try:
-                return f()
-            finally:
-                kernels._state["built"] = on
-        return g
+    # the same verify traced with kernels.small_linear switched off: a compiled graph reads the
+    # switch once, when it is traced (a separate lambda is a separate graph)
+    verify_blas = torch.compile(lambda m, t, p: m(t, p)[0].argmax(-1), fullgraph=True, dynamic=False)
+    kernels._state["built"], on = False, kernels.available()
+    with torch.inference_mode():
+        verify_blas(model, tokens, positions)
+    kernels._state["built"] = on
 
     with torch.inference_mode():
         ms = timed({"decode step, compiled": lambda: step(model, cur, pos, pad, s),
                     f"{k + 1}-token verify, compiled": lambda: verify(model, tokens, positions),
-                    f"{k + 1}-token forward, eager": lambda: model(tokens, positions),
-                    f"{k + 1}-token forward, eager, BLAS only": blas_only(lambda: model(tokens, positions))},
-                   a.rounds, 5)
+                    f"{k + 1}-token verify, compiled, BLAS instead of kernels.small_linear":
+                        lambda: verify_blas(model, tokens, positions),
+                    f"{k + 1}-token forward, eager (BLAS)": lambda: model(tokens, positions)}, a.rounds, 5)
     print(f"| forward ({model.args.dim}-dim model, 512-slot cache) | ms | decode steps |\n|---|---|---|")
     for name, t in ms.items():
         print(f"| {name} | {t:.1f} | {t / ms['decode step, compiled']:.2f} |")
