@@ -6,17 +6,20 @@ multiply-and-sum keeps one accumulator per output, a serial chain of multiply-ad
 verify cost four decode steps either way. The kernel below is the textbook register-blocked
 micro-kernel: two weight rows times up to six tokens, twelve AVX2 accumulators that stay in
 registers, so each weight is read from memory once per call and reused for every token.
-The same loop serves quantize.py's int8 and int4 layers (one token or a few), unpacking each
-block of integers in registers: inductor's code for them was compute-bound at about 9 GB/s.
+The same loop serves quantize.py's int8 and int4 layers for a few tokens, unpacking each block
+of integers in registers, where they used to dequantize the whole weight for BLAS. (One compiled
+token stays with inductor's fused code: this loop streamed int8 no faster, and leaving the
+graph for every product cost more.)
 
 It is C++ compiled once per machine with torch.utils.cpp_extension (g++ is needed anyway: it is
-what inductor compiles to on CPU) and registered as the operator `minillm::small_linear`, which
-compiled graphs call like any aten op
-(and `minillm::int8_linear`, `minillm::int4_linear`). Where it cannot be built (no AVX2, no compiler) or when
-MINILLM_KERNELS=0, `available()` is False and callers use F.linear.
+what inductor compiles to on CPU) and registered as the operators `minillm::small_linear`,
+`minillm::int8_linear` and `minillm::int4_linear`, which compiled graphs call like aten ops.
+Where it cannot be built (no AVX2, no compiler) or when MINILLM_KERNELS=0, `available()` is
+False and callers use F.linear and inductor.
 """
 import os
 import sys
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -87,17 +90,17 @@ struct Int8 {
 
 // quantize.py's int4 layout: blocks of 8 int32 lanes; nibble j of lane l is column
 // 64 * block + 8 * j + l, holding q - 8; weight = (q - 8) * scale + zero per group of G columns
-// (zero already includes 8 * scale).
+// (zero already includes 8 * scale). G is a power of two: column k is in group k >> gshift.
 struct Int4 {
-  const int32_t* w; int64_t ld; const float* scale; const float* zero; int64_t groups; int64_t G;
+  const int32_t* w; int64_t ld; const float* scale; const float* zero; int64_t groups; int gshift;
   static constexpr int STEP = 64;
   using Raw = __m256i;
-  Int4 rows(int64_t n) const { return {w + n * ld, ld, scale + n * groups, zero + n * groups, groups, G}; }
+  Int4 rows(int64_t n) const { return {w + n * ld, ld, scale + n * groups, zero + n * groups, groups, gshift}; }
   const int32_t* at(int64_t r, int64_t k) const { return w + r * ld + k / 8; }
   Raw fetch(int r, int64_t k) const { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at(r, k))); }
   __m256 part(Raw v, int r, int64_t k, int j) const {
     __m256i b = j == 7 ? v : _mm256_slli_epi32(v, 28 - 4 * j);
-    int64_t g = r * groups + (k + 8 * j) / G;
+    int64_t g = r * groups + ((k + 8 * j) >> gshift);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(b, 28)), _mm256_set1_ps(scale[g]),
                            _mm256_set1_ps(zero[g]));
   }
@@ -205,13 +208,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& lanes, const at::T
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& lanes, const at::Tensor& scale,
                        const at::Tensor& zero) {
   TORCH_CHECK(lanes.dim() == 2 && lanes.scalar_type() == at::kInt && lanes.is_contiguous(), "int4_linear: lanes");
-  int64_t K = lanes.size(1) * 8, groups = scale.size(1);
+  int64_t K = lanes.size(1) * 8, groups = scale.size(1), G = K / groups;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && zero.scalar_type() == at::kFloat && scale.is_contiguous() &&
               zero.is_contiguous() && scale.sizes() == zero.sizes() && scale.size(0) == lanes.size(0) &&
-              K % groups == 0 && (K / groups) % 8 == 0, "int4_linear: scale/zero");
+              G * groups == K && G >= 8 && (G & (G - 1)) == 0, "int4_linear: scale/zero");
   check_x(x, K);
   return run(x, Int4{lanes.data_ptr<int32_t>(), lanes.size(1), scale.data_ptr<float>(), zero.data_ptr<float>(),
-                     groups, K / groups}, lanes.size(0));
+                     groups, __builtin_ctzll(G)}, lanes.size(0));
 }
 
 }  // namespace
@@ -257,19 +260,20 @@ def _build() -> bool:
               "falling back to F.linear and inductor", file=sys.stderr)
         return False
 
-    @torch.library.register_fake("minillm::small_linear")
-    def _(x: Tensor, w: Tensor) -> Tensor:
-        return x.new_empty(x.shape[0], w.shape[0])
-
-    @torch.library.register_fake("minillm::int8_linear")
-    def _(x: Tensor, lanes: Tensor, scale: Tensor) -> Tensor:
-        return x.new_empty(x.shape[0], lanes.shape[0])
-
-    @torch.library.register_fake("minillm::int4_linear")
-    def _(x: Tensor, lanes: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
-        return x.new_empty(x.shape[0], lanes.shape[0])
-
+    for op in ("small_linear", "int8_linear", "int4_linear"):  # the output shape, for tracing
+        torch.library.register_fake(f"minillm::{op}")(lambda x, w, *scales: x.new_empty(x.shape[0], w.shape[0]))
     return True
+
+
+@contextmanager
+def switched_off():
+    """Callers take their other paths inside (eager calls; a graph traced inside keeps them)."""
+    built = available()
+    _state["built"] = False
+    try:
+        yield
+    finally:
+        _state["built"] = built
 
 
 def small_linear(x: Tensor, w: Tensor) -> Tensor:

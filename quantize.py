@@ -230,8 +230,28 @@ def padded_tokens(x: Tensor, width: int) -> Tensor:
     return F.pad(x.reshape(-1, x.shape[-1]).float(), (0, width - x.shape[-1]))
 
 
-class Int8Linear(nn.Module):
+class PackedLinear(nn.Module):
+    """What the int8 and int4 linears share: the choice of path, by token count and device.
+    A subclass gives `columns_per_block` of its packed lanes, `matvec` (the unpacking expression
+    for one compiled token), `cpu_kernel` (kernels.py) and `dequantized` (everything else)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if use_kernel(x) or use_cpu_kernel(x):
+            xp = padded_tokens(x, self.packed.shape[1] * self.columns_per_block)  # (tokens, width)
+            y = self.matvec(realized(xp)) if use_kernel(x) else self.cpu_kernel(xp)  # (tokens, out)
+            y = y.to(x.dtype).view(*x.shape[:-1], -1)
+        else:
+            y = F.linear(x, self.dequantized(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def lanes(self) -> Tensor:
+        return self.packed.view(torch.int32).view(self.out_features, -1)  # (out, blocks * 8)
+
+
+class Int8Linear(PackedLinear):
     """y = x W^T * scale (+ bias), W int8 per output channel."""
+
+    columns_per_block = 32
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -251,27 +271,22 @@ class Int8Linear(nn.Module):
         q = unpack_int8(self.packed).reshape(self.out_features, -1)[:, :self.in_features]
         return (q.float() * self.scales[:, None]).to(dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if use_kernel(x):
-            blocks = self.packed.shape[1]
-            xb = realized(F.pad(x.reshape(-1).float(), (0, blocks * 32 - x.shape[-1]))).view(blocks, 4, 8)
-            lanes = self.packed.view(torch.int32)  # (out, blocks, 8)
-            # one load of 8 lanes, then each byte shifted out and multiplied: written as a sum of
-            # four terms so that the generated loop has no index arithmetic to pick the shift
-            acc = sum(int8_byte(lanes, k).float() * xb[:, k] for k in range(4))
-            y = acc.sum((-2, -1)) * self.scales  # (out,)
-            y = y.to(x.dtype).view(*x.shape[:-1], -1)
-        elif use_cpu_kernel(x):
-            lanes = self.packed.view(torch.int32).view(self.out_features, -1)  # (out, blocks * 8)
-            y = kernels.int8_linear(padded_tokens(x, lanes.shape[1] * 4), lanes, self.scales)
-            y = y.to(x.dtype).view(*x.shape[:-1], -1)
-        else:
-            y = F.linear(x, self.dequantized(x.dtype))
-        return y if self.bias is None else y + self.bias
+    def matvec(self, xp: Tensor) -> Tensor:
+        xb = xp.view(-1, 4, 8)  # (blocks, k, lane)
+        lanes = self.packed.view(torch.int32)  # (out, blocks, 8)
+        # one load of 8 lanes, then each byte shifted out and multiplied: written as a sum of
+        # four terms so that the generated loop has no index arithmetic to pick the shift
+        acc = sum(int8_byte(lanes, k).float() * xb[:, k] for k in range(4))
+        return (acc.sum((-2, -1)) * self.scales).view(1, -1)
+
+    def cpu_kernel(self, xp: Tensor) -> Tensor:
+        return kernels.int8_linear(xp, self.lanes(), self.scales)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(PackedLinear):
     """y = x W^T (+ bias), W = q * scale + zero per group of `groupsize` inputs, q in 0..15."""
+
+    columns_per_block = 64
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
         super().__init__()
@@ -316,20 +331,12 @@ class Int4Linear(nn.Module):
         w = (q.float() * s + z).reshape(self.out_features, -1)[:, :self.in_features]
         return w.to(dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if use_kernel(x):
-            q, s, z = self.grouped(self.packed)
-            width = self.packed.shape[1] * 64
-            xb = realized(F.pad(x.reshape(-1).float(), (0, width - x.shape[-1]))).view(q.shape[1:])
-            y = ((q.float() * s + z) * xb).sum((-4, -3, -2, -1))  # (out,)
-            y = y.to(x.dtype).view(*x.shape[:-1], -1)
-        elif use_cpu_kernel(x):
-            lanes = self.packed.view(torch.int32).view(self.out_features, -1)  # (out, blocks * 8)
-            y = kernels.int4_linear(padded_tokens(x, lanes.shape[1] * 8), lanes, self.scales, self.zeros)
-            y = y.to(x.dtype).view(*x.shape[:-1], -1)
-        else:
-            y = F.linear(x, self.dequantized(x.dtype))
-        return y if self.bias is None else y + self.bias
+    def matvec(self, xp: Tensor) -> Tensor:
+        q, s, z = self.grouped(self.packed)
+        return ((q.float() * s + z) * xp.view(q.shape[1:])).sum((-4, -3, -2, -1)).view(1, -1)
+
+    def cpu_kernel(self, xp: Tensor) -> Tensor:
+        return kernels.int4_linear(xp, self.lanes(), self.scales, self.zeros)
 
 
 class Int8Embedding(nn.Module):

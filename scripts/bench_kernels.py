@@ -50,7 +50,7 @@ def layer_shapes(args: ModelArgs) -> list:
 def int8_unpack_then_reduce(layer: Q.Int8Linear, x):
     """The int8 kernel before this form was replaced: unpack to (out, blocks, 4, 8), then one reduction."""
     blocks = layer.packed.shape[1]
-    xb = realized(F.pad(x.reshape(-1), (0, blocks * 32 - x.shape[-1]))).view(blocks, 4, 8)
+    xb = realized(Q.padded_tokens(x, blocks * 32)).view(blocks, 4, 8)
     return (Q.unpack_int8(layer.packed).float() * xb).sum((-3, -2, -1)) * layer.scales
 
 
@@ -146,10 +146,8 @@ def bench_verify(model, a):
     # the same verify traced with kernels.small_linear switched off: a compiled graph reads the
     # switch once, when it is traced (a separate lambda is a separate graph)
     verify_blas = torch.compile(lambda m, t, p: m(t, p)[0].argmax(-1), fullgraph=True, dynamic=False)
-    kernels._state["built"], on = False, kernels.available()
-    with torch.inference_mode():
+    with kernels.switched_off(), torch.inference_mode():
         verify_blas(model, tokens, positions)
-    kernels._state["built"] = on
 
     with torch.inference_mode():
         ms = timed({"decode step, compiled": lambda: step(model, cur, pos, pad, s),

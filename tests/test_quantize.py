@@ -1,5 +1,6 @@
 """quantize.py and eval.py: round trips, the packed kernels, GPTQ, quantized checkpoints end to
 end, perplexity, and the bad-input errors."""
+import contextlib
 import json
 import math
 
@@ -99,20 +100,18 @@ LAYERS = [("int8", 40, 23, 32), ("int8", 576, 100, 32), ("int4", 96, 21, 32), ("
 @pytest.mark.parametrize("cpp_kernel", [True, False], ids=["cpp-kernel", "no-cpp-kernel"])
 @pytest.mark.parametrize("kind,in_features,out_features,groupsize", LAYERS)
 def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_features, groupsize, cpp_kernel,
-                                                    one_thread, monkeypatch):
-    """Every path of a quantized linear: kernels.py's loop (up to 16 tokens, eager or compiled) or,
-    without it, the compiled unpacking expression (one token) and dequantize + matmul (eager)."""
-    if cpp_kernel:
-        assert kernels.available()
-    else:
-        monkeypatch.setitem(kernels._state, "built", False)
+                                                    one_thread):
+    """Every path of a quantized linear: the compiled unpacking expression (one token), kernels.py's
+    loop (up to 16 tokens, eager) or, without it, dequantize + matmul (eager; always past 16)."""
+    assert kernels.available()
     torch._dynamo.reset()  # a compiled graph reads kernels.available() when it is traced
     layer, w_hat, bias = make_layer(kind, in_features, out_features, groupsize, bias=True)
-    for x in (torch.randn(3, 5, in_features), torch.randn(1, 17, in_features), torch.randn(2, in_features)):
-        torch.testing.assert_close(layer(x), F.linear(x, w_hat, bias), atol=1e-4, rtol=1e-4)
-    x1 = torch.randn(1, 1, in_features)
-    compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
-    torch.testing.assert_close(compiled(layer, x1), F.linear(x1, w_hat, bias), atol=1e-4, rtol=1e-4)
+    with contextlib.nullcontext() if cpp_kernel else kernels.switched_off():
+        for x in (torch.randn(3, 5, in_features), torch.randn(1, 17, in_features), torch.randn(2, in_features)):
+            torch.testing.assert_close(layer(x), F.linear(x, w_hat, bias), atol=1e-4, rtol=1e-4)
+        x1 = torch.randn(1, 1, in_features)
+        compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
+        torch.testing.assert_close(compiled(layer, x1), F.linear(x1, w_hat, bias), atol=1e-4, rtol=1e-4)
     torch._dynamo.reset()
 
 
