@@ -169,9 +169,9 @@ class Linear(nn.Linear):
     36 against 23 tokens/s). In eager mode the product would be materialized, so there it stays
     F.linear.
     A compiled product of 2 to 16 tokens (a speculative verify, a small batch) goes to
-    kernels.small_linear, which reads each weight once for all tokens: 1.4x (small layers) to
-    2.5x (the output head) faster than BLAS for 9 tokens. Eager runs keep BLAS, the reference
-    that the compiled paths are tested against.
+    kernels.small_linear, which reads each weight once for all tokens (a 9-token verify: 2 decode
+    steps instead of 4 with BLAS, `scripts/bench_kernels.py --what verify`). Eager runs keep
+    BLAS, the reference that the compiled paths are tested against.
     A bfloat16 product of more tokens (prefill) on a CPU without bf16 instructions is done in
     float32: oneDNN's bf16 GEMM is several times slower there than converting the weight."""
 
