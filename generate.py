@@ -398,7 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram", type=int, default=None, metavar="N",
                    help="speculative decoding by prompt lookup: propose what followed the most recent earlier "
                         "occurrence of the last N tokens (then N-1, ..., 1) in the prompt and output")
-    p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per round (default: 5)")
+    p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per round, at most (default: 5)")
+    p.add_argument("--adaptive_k", action=argparse.BooleanOptionalAction, default=True,
+                   help="adapt the tokens proposed per round to recent acceptance: twice as many after a "
+                        "block accepted whole (up to --speculate_k), fewer after a rejection (default: on; "
+                        "--no-adaptive_k always proposes --speculate_k)")
     p.add_argument("--compare_plain", action="store_true",
                    help="with speculation: also decode without it and print both speeds (and, greedy, "
                         "whether the outputs are identical)")
@@ -536,7 +540,7 @@ def main(argv=None):
         if draft is not None:
             log(f"loaded draft {a.draft_checkpoint} ({param_bytes(draft) / 1e6:.0f} MB of weights)")
         engine = speculative.build(engine, a.speculate_k, draft=draft, ngram=a.ngram, compile=a.compile,
-                                   compile_mode=a.compile_mode)
+                                   compile_mode=a.compile_mode, adaptive=a.adaptive_k)
 
     if a.interactive:
         engine.setup(1, a.max_seq_length or 4096)

@@ -25,6 +25,12 @@ Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. 
   top-p: `generate.logits_to_probs`) of target and draft. An n-gram proposal is a point mass
   (q = one-hot): accept with probability p(d), on rejection sample from p with d removed.
 
+How many to propose (`--adaptive_k`, on by default; `next_k`): start at 3, double after a block
+accepted whole (up to --speculate_k), drop to one more than were accepted after a rejection. The
+compiled verify is one dynamic graph for every block length and context length, so a short
+block costs a short verify: the weights are read once either way, the arithmetic and attention
+grow with the block.
+
 KV caches: both caches are indexed by absolute position, so undoing rejected positions means not
 advancing: their slots are masked causally and overwritten later. A sliding-window ring cache
 (`model.RingKVCache`) cannot be rewound that way (a rejected position overwrote the slot of one
@@ -54,10 +60,11 @@ def sample_probs(probs: Tensor) -> Tensor:
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1, keepdim=True)
 
 
-def verify(model: Transformer, tokens: Tensor, input_pos: Tensor, s: Sampling) -> Tensor:
-    """The target over [last token, d_1 .. d_k] (1, k + 1): its greedy ids (k + 1,), or its
-    processed distributions (k + 1, V) when sampling. Row i predicts the token after d_i."""
-    logits = model(tokens, input_pos)[0]  # (k + 1, V)
+def verify(model: Transformer, tokens: Tensor, input_pos: Tensor, s: Sampling, kv_len: int) -> Tensor:
+    """The target over [last token, d_1 .. d_m] (1, m + 1): its greedy ids (m + 1,), or its
+    processed distributions (m + 1, V) when sampling. Row i predicts the token after d_i.
+    kv_len: the cache slots in use, so attention skips the empty rest of the cache."""
+    logits = model(tokens, input_pos, kv_len=kv_len)[0]  # (m + 1, V)
     if s.temperature == 0:
         return logits.argmax(-1)
     return logits_to_probs(logits, s)
@@ -254,6 +261,24 @@ class DraftProposer:
         self.ring.restore(len(self.fed))
 
 
+# ---------------------------------------------------------------- adaptive k
+
+ADAPTIVE_MIN_K = 3
+
+
+def next_k(k: int, accepted: int, proposed: int, k_max: int) -> int:
+    """How many tokens to propose next round, from this round's outcome (--adaptive_k): after a
+    block accepted whole, twice as many (up to k_max); after a rejection, one more than were
+    accepted, at least ADAPTIVE_MIN_K. Proposals tend to come in runs: a proposer that is
+    copying a passage keeps being right, one that guesses keeps being wrong, and a wrong guess
+    is cheaper to check when it is short. On scripts/bench_speculative.py's n-gram prompts,
+    replaying the recorded greedy outputs with verify costs measured per length, this beat
+    every fixed k and the simpler "k_max after a full block, else 3"."""
+    if accepted == proposed:
+        return min(k_max, 2 * k)
+    return min(k_max, max(ADAPTIVE_MIN_K, accepted + 1))
+
+
 # ---------------------------------------------------------------- the engine
 
 @dataclass
@@ -263,6 +288,7 @@ class SpecStats(Stats):
     plain_steps: int = 0  # rounds without a proposal (n-gram miss, last token, end of the cache)
     draft_forwards: int = 0
     histogram: list = field(default_factory=list)  # histogram[i]: verify forwards that accepted i proposals
+    proposed: int = 0  # proposals checked, over all verify forwards
 
 
 class SpeculativeEngine:
@@ -270,15 +296,23 @@ class SpeculativeEngine:
     compiled (k + 1)-token verify forward. Same `generate` and `setup` as `Engine`, so `Chat`
     works with it unchanged."""
 
-    def __init__(self, engine: Engine, proposer, k: int, compile: bool = False, compile_mode: str = "default"):
+    def __init__(self, engine: Engine, proposer, k: int, compile: bool = False, compile_mode: str = "default",
+                 adaptive: bool = True):
         if k < 1:
             raise UserError("--speculate_k must be at least 1")
         self.engine, self.proposer, self.k = engine, proposer, k
+        self.adaptive = adaptive
         self.model, self.device = engine.model, engine.device
         self.verify, self.compiled = verify, compile
-        if compile:  # static shapes: always k + 1 positions, fewer proposals are padded
-            self.verify = torch.compile(verify, fullgraph=True, dynamic=False,
-                                        **compile_options(self.device, compile_mode))
+        if compile:  # dynamic: one graph for every number of proposals and every context length
+            options = compile_options(self.device, compile_mode)
+            if self.device.type == "cpu":
+                # a C++ wrapper around the graph's ~300 kernel calls (half of them kernels.py's
+                # products, outside inductor's code): a 4-token SmolLM2 verify took 32 ms
+                # instead of 40 (one-off profile). The one-token step gains nothing from it.
+                options["options"] = {"cpp_wrapper": True}
+            self.verify = torch.compile(verify, fullgraph=True, dynamic=True, **options)
+        self.guards_checked, self.skip_guards = False, True
         self.tokens: list = []  # the target's context: tokens by cache position (the last one not fed yet)
         self.ring = None
 
@@ -298,9 +332,8 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         dev, k = self.device, self.k
         with torch.inference_mode():
-            for _ in range(2):  # a compiled graph runs from its second call on
-                self.verify(self.model, torch.zeros(1, k + 1, dtype=torch.long, device=dev),
-                            torch.arange(k + 1, device=dev), s)
+            for T, pos in ((k + 1, 3), (2, 7)):  # two lengths: the second call runs the dynamic graph
+                self.run_verify(torch.zeros(1, T, dtype=torch.long, device=dev), pos, s)
                 self.engine.decode_one_token(self.model, torch.zeros(1, 1, dtype=torch.long, device=dev),
                                              torch.tensor([0], device=dev), torch.zeros(1, dtype=torch.long, device=dev), s)
             self.proposer.warm_up(s)
@@ -333,6 +366,8 @@ class SpeculativeEngine:
         stats = SpecStats(prompt_tokens=T, new_tokens=0, ttft_s=0.0, decode_s=0.0, token_times=[],
                           k=self.k, histogram=[0] * (self.k + 1))
         draft_forwards0 = self.proposer.forwards
+        self.k_now = min(ADAPTIVE_MIN_K, self.k)
+        self.guards_checked = False
         stop, out = set(stop_ids), []
 
         def emit(new: list):
@@ -362,11 +397,26 @@ class SpeculativeEngine:
         stats.draft_forwards = self.proposer.forwards - draft_forwards0
         return [out], stats
 
+    def run_verify(self, ids: Tensor, pos: int, s: Sampling) -> Tensor:
+        """The target over ids (1, m + 1), from cache slot pos. Compiled, one graph serves every
+        m and every context length: a verify of fewer tokens costs less (each weight is read
+        once either way, but the arithmetic grows with m), which is what lets `next_k` try short
+        proposals cheaply; and attention covers the slots in use, not the whole cache (for 9
+        tokens it is as much arithmetic per cached position as 27 decode steps: SmolLM2 has 3
+        query heads per key head)."""
+        T = ids.shape[1]
+        # guards are checked on a generate call's first verify only (as generate.py does for
+        # the one-token step): ~1.3 ms a call, and nothing they check changes within a call
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.guards_checked):
+            out = self.verify(self.model, ids, torch.arange(pos, pos + T, device=ids.device), s, pos + T)
+        self.guards_checked = self.compiled and self.skip_guards
+        return out
+
     def speculative_decode(self, context: list, pos: int, s: Sampling, budget: int, stop: set,
                            stats: SpecStats) -> list:
         """One round: propose, verify in one target forward, accept. Returns the new tokens
         (accepted proposals + the target's own token), cut after a stop token and to `budget`."""
-        dev, k = self.device, self.k
+        dev, k = self.device, self.k_now if self.adaptive else self.k
         room = self.model.max_seq_length - pos - 1  # slots after the last token
         drafts, q = self.proposer.propose(context, min(k, budget - 1), s) if budget > 1 and room >= k else ([], None)
         stats.target_forwards += 1
@@ -377,9 +427,8 @@ class SpeculativeEngine:
                                                torch.zeros(1, dtype=torch.long, device=dev), s)
             return [cur.item()]
         m = len(drafts)
-        ids = torch.tensor([[context[-1]] + drafts + [drafts[-1]] * (k - m)], device=dev)  # (1, k + 1), padded
-        self.ring.save(pos + 1, pos + k + 1)
-        target = self.verify(self.model, ids, torch.arange(pos, pos + k + 1, device=dev), s)
+        self.ring.save(pos + 1, pos + m + 1)
+        target = self.run_verify(torch.tensor([[context[-1]] + drafts], device=dev), pos, s)
         if s.temperature == 0:
             target = target.tolist()
             n = 0
@@ -392,6 +441,9 @@ class SpeculativeEngine:
                     1, torch.tensor(drafts, device=dev).view(-1, 1), 1.0)
             n, nxt = accept_sampled(target, q, drafts)
         stats.histogram[n] += 1
+        stats.proposed += m
+        if self.adaptive:
+            self.k_now = next_k(k, n, m, self.k)
         new = drafts[:n] + [nxt]
         for i, t in enumerate(new):  # stop inside an accepted block: what follows was never generated
             if t in stop:
@@ -431,7 +483,8 @@ def check_same_tokenizer(target_dir, draft_dir):
 
 
 def build(engine: Engine, k: int, draft: Optional[Transformer] = None, ngram: Optional[int] = None,
-          compile: bool = False, compile_mode: str = "default", ngram_min: int = 1) -> SpeculativeEngine:
+          compile: bool = False, compile_mode: str = "default", ngram_min: int = 1,
+          adaptive: bool = True) -> SpeculativeEngine:
     """A SpeculativeEngine around `engine` with a draft model or an n-gram proposer (n-grams of
     `ngram` tokens down to `ngram_min`)."""
     if (draft is None) == (ngram is None):
@@ -443,7 +496,7 @@ def build(engine: Engine, k: int, draft: Optional[Transformer] = None, ngram: Op
         proposer = DraftProposer(draft, compile=compile, compile_mode=compile_mode)
     else:
         proposer = NgramProposer(ngram, ngram_min)
-    return SpeculativeEngine(engine, proposer, k, compile=compile, compile_mode=compile_mode)
+    return SpeculativeEngine(engine, proposer, k, compile=compile, compile_mode=compile_mode, adaptive=adaptive)
 
 
 def speculation_metrics(stats: SpecStats, spec: SpeculativeEngine) -> dict:

@@ -25,9 +25,9 @@ Cases (--case, default: all that can run):
     python scripts/bench_speculative.py --json bench-out/speculative.json
 
 Protocol: batch 1, greedy, float32, --threads threads (default 2), chat template on, generation
-stops at EOS or --max_new_tokens. For each prompt, plain decoding and speculative decoding run one
-after the other on the same target model (same compiled one-token step); rounds repeat the
-whole set. Each engine is warmed up (compiled) before timing. The figures: decode tokens/s of
+stops at EOS or --max_new_tokens. For each prompt, plain decoding, speculative decoding with a
+fixed k and with the adaptive k (generate.py's default, `speculative.next_k`) run one after the
+other on the same target model (same compiled one-token step); rounds repeat the whole set. Each engine is warmed up (compiled) before timing. The figures: decode tokens/s of
 each (tokens after the first / time after the first, as generate.py reports them), summed over
 prompts (total tokens / total time), their ratio, the tokens produced per target forward, the
 acceptance histogram, and whether every greedy output is identical to plain decoding (it must
@@ -157,32 +157,44 @@ def run_case(name: str, a) -> dict:
     spec.warm_up(ids[:1], s)
     log(f"[{name}] warmed up in {time.perf_counter() - t0:.1f} s")
 
+    modes = {"fixed": False, "adaptive": True} if a.adaptive == "both" else {a.adaptive: a.adaptive == "adaptive"}
     runs = []
     for r in range(a.rounds):
         for i, p in enumerate(ids):
             (plain_out,), plain_stats = engine.generate([p], a.max_new_tokens, s, stop)
-            (spec_out,), spec_stats = spec.generate([p], a.max_new_tokens, s, stop)
-            m = speculative.speculation_metrics(spec_stats, spec)
             pn, pt = decode_rate(plain_stats)
-            sn, st = decode_rate(spec_stats)
-            runs.append(dict(round=r, prompt=i, prompt_tokens=len(p), new_tokens=len(plain_out),
-                             identical=plain_out == spec_out, plain_tokens=pn, plain_s=pt, spec_tokens=sn, spec_s=st,
-                             tokens_per_target_forward=m["tokens_per_target_forward"],
-                             histogram=spec_stats.histogram, plain_steps=spec_stats.plain_steps))
+            run = dict(round=r, prompt=i, prompt_tokens=len(p), new_tokens=len(plain_out), plain_tokens=pn, plain_s=pt)
+            for mode, adaptive in modes.items():
+                spec.adaptive = adaptive
+                (spec_out,), spec_stats = spec.generate([p], a.max_new_tokens, s, stop)
+                m = speculative.speculation_metrics(spec_stats, spec)
+                sn, st = decode_rate(spec_stats)
+                run[mode] = dict(identical=plain_out == spec_out, tokens=sn, s=st,
+                                 tokens_per_target_forward=m["tokens_per_target_forward"],
+                                 histogram=spec_stats.histogram, plain_steps=spec_stats.plain_steps,
+                                 proposed=spec_stats.proposed)
+                if i == 0 and r == 0 and a.show and mode == list(modes)[0]:
+                    log(tok.decode([t for t in spec_out if t not in stop]))
+            runs.append(run)
             log(f"[{name}] round {r} prompt {i}: {len(plain_out)} tokens, plain {pn / pt if pt else 0:.1f} tok/s, "
-                f"speculative {sn / st if st else 0:.1f} tok/s, {m['tokens_per_target_forward']:.2f} tokens/forward"
-                + ("" if plain_out == spec_out else "  OUTPUT DIFFERS"))
-            if i == 0 and r == 0 and a.show:
-                log(tok.decode([t for t in spec_out if t not in stop]))
+                + ", ".join(f"{mode} {x['tokens'] / x['s'] if x['s'] else 0:.1f} tok/s "
+                            f"({x['tokens_per_target_forward']:.2f} tokens/forward)"
+                            + ("" if x["identical"] else "  OUTPUT DIFFERS")
+                            for mode, x in ((mode, run[mode]) for mode in modes)))
     plain_tps = sum(x["plain_tokens"] for x in runs) / sum(x["plain_s"] for x in runs)
-    spec_tps = sum(x["spec_tokens"] for x in runs) / sum(x["spec_s"] for x in runs)
-    hist = [sum(x["histogram"][j] for x in runs) for j in range(k + 1)]
-    forwards = sum(sum(x["histogram"]) + x["plain_steps"] for x in runs)
-    return dict(case=name, target=c["target"], draft=c["draft"] or f"ngram {c['ngram']}", k=k,
-                prompts=len(ids), rounds=a.rounds, plain_tokens_per_s=plain_tps, spec_tokens_per_s=spec_tps,
-                speedup=spec_tps / plain_tps, goal=c["goal"],
-                tokens_per_target_forward=sum(x["spec_tokens"] for x in runs) / forwards if forwards else 0.0,
-                acceptance_histogram=hist, identical=all(x["identical"] for x in runs), runs=runs)
+    res = dict(case=name, target=c["target"], draft=c["draft"] or f"ngram {c['ngram']}", k=k, prompts=len(ids),
+               rounds=a.rounds, plain_tokens_per_s=plain_tps, goal=c["goal"], runs=runs)
+    for mode in modes:
+        xs = [x[mode] for x in runs]
+        tps = sum(x["tokens"] for x in xs) / sum(x["s"] for x in xs)
+        forwards = sum(sum(x["histogram"]) + x["plain_steps"] for x in xs)
+        verifies = sum(sum(x["histogram"]) for x in xs)
+        res[mode] = dict(spec_tokens_per_s=tps, speedup=tps / plain_tps,
+                         tokens_per_target_forward=sum(x["tokens"] for x in xs) / forwards if forwards else 0.0,
+                         proposals_per_verify=sum(x["proposed"] for x in xs) / verifies if verifies else 0.0,
+                         acceptance_histogram=[sum(x["histogram"][j] for x in xs) for j in range(k + 1)],
+                         identical=all(x["identical"] for x in xs))
+    return res
 
 
 def main(argv=None) -> int:
@@ -193,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--ngram_min", type=int, default=1,
                    help="ngram case: shortest n-gram looked up (default 1; larger proposes less often, and "
                         "wastes fewer verify forwards when one costs much more than a one-token step)")
+    p.add_argument("--adaptive", choices=["both", "fixed", "adaptive"], default="both",
+                   help="speculate with a fixed k, with the adaptive k (generate.py's default), or both, "
+                        "each side by side with plain decoding (default: both)")
     p.add_argument("--max_new_tokens", type=int, default=160)
     p.add_argument("--rounds", type=int, default=2, help="times the whole prompt set is run")
     p.add_argument("--threads", type=int, default=2)
@@ -214,21 +229,25 @@ def main(argv=None) -> int:
                 return 1
         results.append(res)
 
-    print(f"| case | target | proposer | k | plain tok/s | speculative tok/s | speedup (goal) | tokens/target forward "
-          f"| acceptance histogram (0..k) | identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | target | proposer | k | plain tok/s | speculative | tok/s | speedup (goal) "
+          "| tokens/target forward | proposals/verify | acceptance histogram (0..k) | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "skipped" in r:
-            print(f"| {r['case']} | skipped: {r['skipped']} |||||||||")
+            print(f"| {r['case']} | skipped: {r['skipped']} |||||||||||")
             continue
         goal = f" ({r['goal']}x)" if r["goal"] else ""
-        print(f"| {r['case']} | {r['target']} | {r['draft']} | {r['k']} | {r['plain_tokens_per_s']:.1f} "
-              f"| {r['spec_tokens_per_s']:.1f} | **{r['speedup']:.2f}x**{goal} | {r['tokens_per_target_forward']:.2f} "
-              f"| {' '.join(map(str, r['acceptance_histogram']))} | {'yes' if r['identical'] else 'NO'} |")
+        for mode in ("fixed", "adaptive"):
+            if mode in r:
+                x = r[mode]
+                print(f"| {r['case']} | {r['target']} | {r['draft']} | {r['k']} | {r['plain_tokens_per_s']:.1f} "
+                      f"| {mode} k | {x['spec_tokens_per_s']:.1f} | **{x['speedup']:.2f}x**{goal} "
+                      f"| {x['tokens_per_target_forward']:.2f} | {x['proposals_per_verify']:.2f} "
+                      f"| {' '.join(map(str, x['acceptance_histogram']))} | {'yes' if x['identical'] else 'NO'} |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(results, indent=2))
-    return 0 if all(r.get("identical", True) for r in results) else 1
+    return 0 if all(r[m]["identical"] for r in results for m in ("fixed", "adaptive") if m in r) else 1
 
 
 if __name__ == "__main__":

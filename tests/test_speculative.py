@@ -50,9 +50,10 @@ def plain_greedy(model, prompt, n, stop_ids=(), max_seq_length=128):
     return out
 
 
-def spec_engine(target, k, draft=None, ngram=None, proposer=None, max_seq_length=128, compile=False):
-    spec = SpeculativeEngine(Engine(target, compile=compile), proposer, k, compile=compile) if proposer \
-        else build(Engine(target, compile=compile), k, draft=draft, ngram=ngram, compile=compile)
+def spec_engine(target, k, draft=None, ngram=None, proposer=None, max_seq_length=128, compile=False, adaptive=True):
+    spec = SpeculativeEngine(Engine(target, compile=compile), proposer, k, compile=compile, adaptive=adaptive) \
+        if proposer else build(Engine(target, compile=compile), k, draft=draft, ngram=ngram, compile=compile,
+                               adaptive=adaptive)
     spec.setup(1, max_seq_length)
     return spec
 
@@ -64,9 +65,10 @@ def target():
 
 # ---------------------------------------------------------------- greedy
 
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive-k", "fixed-k"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("proposer", ["draft=target", "noisy draft", "random draft", "ngram", "scripted"])
-def test_speculative_greedy_is_token_identical(target, proposer, k):
+def test_speculative_greedy_is_token_identical(target, proposer, k, adaptive):
     drafts = {"draft=target": random_model(seed=0), "noisy draft": noisy_copy(target, 0.05),
               "random draft": random_model(seed=3)}
     accepted = 0
@@ -74,7 +76,7 @@ def test_speculative_greedy_is_token_identical(target, proposer, k):
         expected = plain_greedy(target, prompt, 40)
         scripted = ScriptedProposer(prompt + expected, 256) if proposer == "scripted" else None
         spec = spec_engine(target, k, draft=drafts.get(proposer), ngram=3 if proposer == "ngram" else None,
-                           proposer=scripted)
+                           proposer=scripted, adaptive=adaptive)
         (out,), stats = spec.generate([prompt], 40, Sampling())
         assert out == expected, prompt
         assert stats.new_tokens == 40
@@ -198,12 +200,29 @@ def test_compiled_matches_eager(target):
     expected = plain_greedy(target, prompt, 40)
     spec = spec_engine(target, 4, draft=draft, compile=True)
     spec.warm_up([prompt], Sampling())
-    (out,), stats = spec.generate([prompt], 40, Sampling())
+    lengths = []
+    verify = spec.verify
+    spec.verify = lambda m, ids, *rest: lengths.append(ids.shape[1]) or verify(m, ids, *rest)
+    # the verify graph is dynamic: every proposal count and context length runs the warmed-up graph
+    # (guards checked on every call here, so that a call needing another graph would fail)
+    spec.skip_guards = False
+    with torch.compiler.set_stance("fail_on_recompile"):
+        (out,), stats = spec.generate([prompt], 40, Sampling())
     assert out == expected
+    assert len(set(lengths)) > 1, lengths  # the adaptive k verified blocks of several lengths
     spec = spec_engine(target, 4, ngram=2, compile=True)
     (out,), stats = spec.generate([prompt], 40, Sampling())
     assert out == expected
     assert stats.plain_steps > 0 and sum(stats.histogram) > 0  # both compiled graphs ran
+
+
+def test_next_k_grows_after_full_blocks_and_shrinks_after_rejections():
+    from speculative import ADAPTIVE_MIN_K, next_k
+    assert ADAPTIVE_MIN_K == 3
+    assert next_k(3, 3, 3, 8) == 6 and next_k(6, 6, 6, 8) == 8 and next_k(8, 8, 8, 8) == 8
+    assert next_k(8, 0, 8, 8) == 3 and next_k(8, 5, 8, 8) == 6 and next_k(8, 7, 8, 8) == 8
+    assert next_k(2, 2, 2, 2) == 2 and next_k(2, 0, 2, 2) == 2  # never above k_max
+    assert next_k(4, 1, 1, 8) == 8  # a short proposal accepted whole (the proposer had no more) counts as full
 
 
 # ---------------------------------------------------------------- sampling
