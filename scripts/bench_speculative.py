@@ -27,7 +27,8 @@ Cases (--case, default: all that can run):
 Protocol: batch 1, greedy, float32, --threads threads (default 2), chat template on, generation
 stops at EOS or --max_new_tokens. For each prompt, plain decoding, speculative decoding with a
 fixed k and with the adaptive k (generate.py's default, `speculative.next_k`) run one after the
-other on the same target model (same compiled one-token step); rounds repeat the whole set. Each engine is warmed up (compiled) before timing. The figures: decode tokens/s of
+other on the same target model (same compiled one-token step); rounds repeat the whole set.
+Each engine is warmed up (compiled) before timing. The figures: decode tokens/s of
 each (tokens after the first / time after the first, as generate.py reports them), summed over
 prompts (total tokens / total time), their ratio, the tokens produced per target forward, the
 acceptance histogram, and whether every greedy output is identical to plain decoding (it must
