@@ -313,6 +313,7 @@ class SpeculativeEngine:
                 options["options"] = {"cpp_wrapper": True}
             self.verify = torch.compile(verify, fullgraph=True, dynamic=True, **options)
         self.guards_checked, self.skip_guards = False, True
+        self.k_now = k  # this round's proposals at most: k, or next_k's choice when adaptive
         self.tokens: list = []  # the target's context: tokens by cache position (the last one not fed yet)
         self.ring = None
 
@@ -366,7 +367,7 @@ class SpeculativeEngine:
         stats = SpecStats(prompt_tokens=T, new_tokens=0, ttft_s=0.0, decode_s=0.0, token_times=[],
                           k=self.k, histogram=[0] * (self.k + 1))
         draft_forwards0 = self.proposer.forwards
-        self.k_now = min(ADAPTIVE_MIN_K, self.k)
+        self.k_now = min(ADAPTIVE_MIN_K, self.k) if self.adaptive else self.k
         self.guards_checked = False
         stop, out = set(stop_ids), []
 
@@ -405,10 +406,13 @@ class SpeculativeEngine:
         tokens it is as much arithmetic per cached position as 27 decode steps: SmolLM2 has 3
         query heads per key head)."""
         T = ids.shape[1]
+        # under CUDA graphs every new shape is recorded anew: there attention keeps covering the
+        # whole cache, so that only the block length varies (at most k graphs)
+        kv_len = pos + T if ids.device.type == "cpu" else self.model.max_seq_length
         # guards are checked on a generate call's first verify only (as generate.py does for
         # the one-token step): ~1.3 ms a call, and nothing they check changes within a call
         with torch.compiler.set_stance(skip_guard_eval_unsafe=self.guards_checked):
-            out = self.verify(self.model, ids, torch.arange(pos, pos + T, device=ids.device), s, pos + T)
+            out = self.verify(self.model, ids, torch.arange(pos, pos + T, device=ids.device), s, kv_len)
         self.guards_checked = self.compiled and self.skip_guards
         return out
 
@@ -416,7 +420,7 @@ class SpeculativeEngine:
                            stats: SpecStats) -> list:
         """One round: propose, verify in one target forward, accept. Returns the new tokens
         (accepted proposals + the target's own token), cut after a stop token and to `budget`."""
-        dev, k = self.device, self.k_now if self.adaptive else self.k
+        dev, k = self.device, self.k_now
         room = self.model.max_seq_length - pos - 1  # slots after the last token
         drafts, q = self.proposer.propose(context, min(k, budget - 1), s) if budget > 1 and room >= k else ([], None)
         stats.target_forwards += 1
