@@ -309,3 +309,33 @@ def test_bench_kernels_script_help_and_missing_checkpoint(tmp_path):
     assert r.returncode == 0 and "--what" in r.stdout
     r = run_script("scripts/bench_kernels.py", "--checkpoint", tmp_path / "nothing", "--what", "layers")
     assert r.returncode == 1 and r.stderr.strip().startswith("error: no checkpoint at")
+
+
+FAULTS_SCRIPT = """
+import resource, sys, torch
+from generate import load_model
+model = load_model(sys.argv[1])
+model.setup_caches(1, 512)
+tokens = torch.randint(0, 1000, (1, 300))
+faults = []
+with torch.inference_mode():
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        model(tokens, torch.arange(300), last_logits_only=True, kv_len=300)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator settings")
+def test_repeated_prefill_reuses_freed_memory(smollm2_dir):
+    # generate.keep_freed_memory: without it each prefill maps fresh pages for its activations
+    # (thousands of page faults a call, as many as the first); with it the later calls take few
+    import platform
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    r = run_script("-c", FAULTS_SCRIPT, smollm2_dir)
+    assert r.returncode == 0, r.stderr
+    first, *later = map(int, r.stdout.split())
+    assert first > 1000, (first, later)  # the activations do need fresh pages the first time
+    assert max(later) < first / 10, (first, later)

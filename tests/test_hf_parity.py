@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 
 from convert_hf_checkpoint import convert_hf_checkpoint  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from model import CAUSAL_SDPA_MIN_TOKENS, ModelArgs, Transformer  # noqa: E402
 
 TOL = 1e-4
 PROMPT_LEN = 40  # longer than max_position_embeddings=32 below, so dynamic NTK actually rescales
@@ -165,6 +165,23 @@ def test_incremental_decode_matches_hf(case):
     print(f"{name}: decode max abs diff {max(diffs):.2e} over {len(diffs) - 1} steps")
     bad = [(i, d) for i, d in enumerate(diffs) if not d <= TOL]
     assert not bad, f"{name}: (step, diff) over tolerance: {bad}"
+
+
+@torch.inference_mode()
+def test_long_prefill_logits_match_hf(case):
+    """A whole prompt from slot 0 longer than CAUSAL_SDPA_MIN_TOKENS, with kv_len as prefill gives
+    it: full-attention layers take SDPA's causal mask instead of ours, and with last_logits_only
+    the last layer computes the last position only."""
+    name, hf_dir, our_dir = case
+    hf, ours = load_hf(hf_dir), load_ours(our_dir)
+    T = CAUSAL_SDPA_MIN_TOKENS + 88
+    ours.setup_caches(max_batch_size=1, max_seq_length=T + 8)
+    ids = tokens(T, seed=4)
+    expected = hf(ids).logits
+    diff = max_diff(ours(ids, torch.arange(T), kv_len=T), expected)
+    last = max_diff(ours(ids, torch.arange(T), kv_len=T, last_logits_only=True), expected[:, -1:])
+    print(f"{name}: {T}-token prefill max abs diff {diff:.2e}, last position only {last:.2e}")
+    assert diff <= TOL and last <= TOL, f"{name}: {diff:.2e}, last position {last:.2e}"
 
 
 @torch.inference_mode()
