@@ -8,6 +8,7 @@ Generated text goes to stdout; logs and metrics go to stderr.
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -37,6 +38,7 @@ def log(*args):
 
 # ---------------------------------------------------------------- loading
 
+@functools.cache  # once per process: load_model calls it for the target and the draft
 def keep_freed_memory() -> bool:
     """Let glibc keep freed memory for reuse instead of returning it to the kernel.
 

@@ -432,10 +432,12 @@ class Transformer(nn.Module):
         cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
-    def masks(self, input_pos: Tensor, pad: Tensor, dtype: torch.dtype, kv_len: int) -> tuple[Tensor, Tensor]:
+    def masks(self, input_pos: Tensor, pad: Tensor, dtype: torch.dtype, kv_len: int,
+              sdpa_causal: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:
         """Additive (B, 1, T, S) masks, 0 where a query may attend and -inf elsewhere:
         (global, sliding window). Additive masks run faster than boolean ones in CPU SDPA.
-        With a ring cache the sliding mask is (B, 1, T, window + T), over RingKVCache.update's keys."""
+        With a ring cache the sliding mask is (B, 1, T, window + T), over RingKVCache.update's keys.
+        sdpa_causal: the global mask is None (Attention then uses SDPA's own causal mask)."""
         q = input_pos.view(1, -1, 1)  # (1, T, 1) cache slot of each query
 
         def allowed(k):  # (B, T, S) for keys at absolute positions k (1, 1, S): not the future, not padding
@@ -456,7 +458,7 @@ class Transformer(nn.Module):
             return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
                 ~allowed, float("-inf")).unsqueeze(1)
 
-        return additive(causal), (additive(local) if window else None)
+        return None if sdpa_causal else additive(causal), (additive(local) if window else None)
 
     def forward(self, tokens: Tensor, input_pos: Tensor, pad: Optional[Tensor] = None,
                 last_logits_only: bool = False, kv_len: Optional[int] = None) -> Tensor:
@@ -474,10 +476,10 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         if self.args.embedding_scale:  # the scale rounded to the model dtype first, as Gemma's reference does
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
-        masks = self.masks(input_pos, pad, x.dtype, kv_len or self.max_seq_length)
+        # a whole sequence from slot 0: full-attention layers use SDPA's causal mask
         T = tokens.shape[1]
-        if (no_pad and kv_len == T and T > CAUSAL_SDPA_MIN_TOKENS and not self.args.attn_logit_softcapping):
-            masks = (None, masks[1])  # a whole sequence from slot 0: full-attention layers use SDPA's causal mask
+        sdpa_causal = no_pad and kv_len == T and T > CAUSAL_SDPA_MIN_TOKENS and not self.args.attn_logit_softcapping
+        masks = self.masks(input_pos, pad, x.dtype, kv_len or self.max_seq_length, sdpa_causal)
         for i, layer in enumerate(self.layers):
             c, s = local_rope if layer.attention.sliding else (cos, sin)
             # prefill needs only the next token's logits: past the last layer's keys and values
