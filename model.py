@@ -282,7 +282,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.type_as(x)
 
 
-# From this many tokens a prefill from slot 0 uses SDPA's causal mask rather than our additive one,
+# Above this many tokens a prefill from slot 0 uses SDPA's causal mask rather than our additive one,
 # which lets the CPU kernel skip key blocks (of 512) past the diagonal; below, it computes them all
 # either way and the additive mask over the folded query groups was as fast.
 CAUSAL_SDPA_MIN_TOKENS = 512
