@@ -202,7 +202,11 @@ def compile_options(device: torch.device, compile_mode: str) -> dict:
         inductor_config.freezing = True
         inductor_config.max_autotune = True
         inductor_config.max_autotune_gemm_backends = "CPP,ATEN"
-    return {}  # default: inductor's C++ kernels, cached on disk across runs
+        return {}
+    # default: inductor's C++ kernels, cached on disk across runs, called from C++ rather than
+    # Python: a quantized SmolLM2 step calls ~180 kernels.py operators, and int8/int4 decoded
+    # 15-18% faster this way (float32 the same; in-process A/B, one-off)
+    return {"options": {"cpp_wrapper": True}}
 
 
 @dataclass

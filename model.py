@@ -330,6 +330,11 @@ class Attention(nn.Module):
         # the query length, so one SDPA call reads every cached key once.
         group = nh // nkv
         q = q.reshape(B, nkv, group * T, hd)  # (B, n_kv_heads, group*T, head_dim)
+        if (x.device.type == "cpu" and T <= kernels.MAX_TOKENS and k.dtype in (torch.float32, torch.bfloat16)
+                and hd % 8 == 0 and kernels.available()):
+            # decode and verify: kernels.py reads only the keys each query's mask allows
+            y = kernels.attend(q, k, v, mask, self.scale or hd ** -0.5, self.softcap or 0.0).to(q.dtype)
+            return self.wo(y.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd))
         mask = mask.unsqueeze(2).expand(B, 1, group, T, mask.shape[-1]).reshape(B, 1, group * T, -1)
         if T == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
             # decode: spelled out, inductor fuses it into the layer's kernel; CPU SDPA costs about

@@ -191,6 +191,32 @@ def pack_int4(q: Tensor) -> Tensor:
     return lanes.contiguous().view(torch.float32)
 
 
+# On CPU, when kernels.py is built, the layers are packed for its int8-activation loops instead:
+# int8 rows as they are on disk (padded to 32 columns), int4 rows with 64 columns in 32 bytes
+# (the low nibbles are columns 0-31, the high nibbles 32-63: a mask and a shift unpack them in
+# order), scales and zeros in float16 (groups padded to a multiple of 8).
+
+def for_cpu_kernel(weight: Tensor) -> bool:
+    """Pack for kernels.py's q8/q4 loops (CPU), or in lanes for the compiled expression (CUDA,
+    or a CPU without the kernels)."""
+    return weight.device.type == "cpu" and kernels.available()
+
+
+def pack_int4_rows(q: Tensor) -> Tensor:
+    """values 0..15 (out, in) -> uint8 (out, ceil(in/64) * 32): per 64 columns, byte j holds
+    column j in its low nibble and column 32 + j in its high nibble."""
+    q = pad_columns(q.to(torch.uint8), 64)
+    out, width = q.shape
+    q = q.view(out, width // 64, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out, width // 2).contiguous()
+
+
+def unpack_int4_rows(packed: Tensor) -> Tensor:
+    """Inverse of pack_int4_rows: uint8 (out, width / 2) -> values 0..15 (out, width)."""
+    b = packed.view(packed.shape[0], -1, 1, 32)
+    return torch.cat([b & 15, b >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
 def int8_byte(lanes: Tensor, k) -> Tensor:
     """The k-th byte (an int, or a tensor of them that broadcasts) of int32 lanes, sign-extended:
     the int8 in column 8*k + lane of each block."""
@@ -216,42 +242,35 @@ def use_kernel(x: Tensor) -> bool:
     return torch.compiler.is_compiling() and x.shape[:-1].numel() == 1
 
 
-def use_cpu_kernel(x: Tensor) -> bool:
-    # otherwise up to 16 tokens on CPU (a verify, a short prompt, eager decode): kernels.py's
-    # hand-written loop, which unpacks in registers and reads the weight once for all tokens.
-    # (For one compiled token it streamed no faster than inductor's code, about 9-11 GB/s of int8
-    # weights, and the calls out of the fused graph cost more: 43 against 64 tokens/s for int8.)
-    # Longer prompts dequantize the whole weight and call the float matmul.
-    return x.device.type == "cpu" and x.shape[:-1].numel() <= kernels.MAX_TOKENS and kernels.available()
-
-
 def padded_tokens(x: Tensor, width: int) -> Tensor:
     """x (..., in) -> float32 (tokens, width), zero columns appended to the packed width."""
     return F.pad(x.reshape(-1, x.shape[-1]).float(), (0, width - x.shape[-1]))
 
 
 class PackedLinear(nn.Module):
-    """What the int8 and int4 linears share: the choice of path, by token count and device.
-    A subclass gives `columns_per_block` of its packed lanes, `matvec` (the unpacking expression
-    for one compiled token), `cpu_kernel` (kernels.py) and `dequantized` (everything else)."""
+    """What the int8 and int4 linears share: the choice of path, by layout and token count.
+    A subclass's pack() sets `cpu_kernel_layout` and `width` (the padded input width), and it
+    gives `cpu_kernel` (kernels.py, CPU), `matvec` (the unpacking expression for one compiled
+    token, lanes layout) and `dequantized` (everything else).
+    - CPU with kernels.py: up to 16 tokens (decode, a verify, a short prompt), compiled or not,
+      go through kernels.py's int8-activation loop; inductor's fused expression was compute-bound
+      at about 9 GB/s of int8 weights.
+    - CUDA, or a CPU without the kernels: one compiled token is the unpacking expression.
+    - Otherwise (longer prompts, eager CUDA) the layer dequantizes its weight for the float matmul."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if use_kernel(x) or use_cpu_kernel(x):
-            xp = padded_tokens(x, self.packed.shape[1] * self.columns_per_block)  # (tokens, width)
-            y = self.matvec(realized(xp)) if use_kernel(x) else self.cpu_kernel(xp)  # (tokens, out)
-            y = y.to(x.dtype).view(*x.shape[:-1], -1)
+        tokens = x.shape[:-1].numel()
+        if self.cpu_kernel_layout and tokens <= kernels.MAX_TOKENS:
+            y = self.cpu_kernel(padded_tokens(x, self.width)).to(x.dtype).view(*x.shape[:-1], -1)
+        elif not self.cpu_kernel_layout and use_kernel(x):
+            y = self.matvec(realized(padded_tokens(x, self.width))).to(x.dtype).view(*x.shape[:-1], -1)
         else:
             y = F.linear(x, self.dequantized(x.dtype))
         return y if self.bias is None else y + self.bias
 
-    def lanes(self) -> Tensor:
-        return self.packed.view(torch.int32).view(self.out_features, -1)  # (out, blocks * 8)
-
 
 class Int8Linear(PackedLinear):
     """y = x W^T * scale (+ bias), W int8 per output channel."""
-
-    columns_per_block = 32
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -262,14 +281,16 @@ class Int8Linear(PackedLinear):
         self.register_buffer("packed", None, persistent=False)  # made by pack() after loading
 
     def pack(self, cache: dict):
-        self.packed = cached_pack(cache, self.weight, pack_int8)
+        self.cpu_kernel_layout = for_cpu_kernel(self.weight)
+        self.packed = cached_pack(cache, self.weight, pack_int8_for_device)
         self.scales = self.scales.float()
         self.weight = None  # the packed copy replaces it
-        self.out_features, blocks, _ = self.packed.shape
+        self.out_features = self.packed.shape[0]
+        self.width = self.packed.shape[1] * (1 if self.cpu_kernel_layout else 32)
 
     def dequantized(self, dtype) -> Tensor:  # (out, in) in dtype
-        q = unpack_int8(self.packed).reshape(self.out_features, -1)[:, :self.in_features]
-        return (q.float() * self.scales[:, None]).to(dtype)
+        q = self.packed if self.cpu_kernel_layout else unpack_int8(self.packed).reshape(self.out_features, -1)
+        return (q[:, :self.in_features].float() * self.scales[:, None]).to(dtype)
 
     def matvec(self, xp: Tensor) -> Tensor:
         xb = xp.view(-1, 4, 8)  # (blocks, k, lane)
@@ -280,13 +301,11 @@ class Int8Linear(PackedLinear):
         return (acc.sum((-2, -1)) * self.scales).view(1, -1)
 
     def cpu_kernel(self, xp: Tensor) -> Tensor:
-        return kernels.int8_linear(xp, self.lanes(), self.scales)
+        return kernels.q8_linear(xp, self.packed, self.scales)
 
 
 class Int4Linear(PackedLinear):
     """y = x W^T (+ bias), W = q * scale + zero per group of `groupsize` inputs, q in 0..15."""
-
-    columns_per_block = 64
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
         super().__init__()
@@ -300,14 +319,22 @@ class Int4Linear(PackedLinear):
 
     def pack(self, cache: dict):
         self.out_features = self.weight.shape[0]
-        self.packed = cached_pack(cache, self.weight, lambda w: pack_int4(bytes_to_nibbles(w)))
-        # the kernel decodes q - 8: fold the 8 into the zero; pad the groups to whole blocks
-        blocks = self.packed.shape[1]
-        n_groups = blocks * 64 // self.groupsize
-        scales = self.scales.float()
-        zeros = self.zeros.float() + 8 * scales
-        self.scales = F.pad(scales, (0, n_groups - scales.shape[1]))
-        self.zeros = F.pad(zeros, (0, n_groups - zeros.shape[1]))
+        self.cpu_kernel_layout = for_cpu_kernel(self.weight)
+        if self.cpu_kernel_layout:
+            self.packed = cached_pack(cache, self.weight, lambda w: pack_int4_rows(bytes_to_nibbles(w)))
+            self.width = self.packed.shape[1] * 2
+            n_groups = -(-self.width // self.groupsize)
+            pad = -(-n_groups // 8) * 8 - self.scales.shape[1]  # kernels.py reads 8 groups at a time
+            self.scales, self.zeros = F.pad(self.scales, (0, pad)), F.pad(self.zeros, (0, pad))
+        else:
+            self.packed = cached_pack(cache, self.weight, lambda w: pack_int4(bytes_to_nibbles(w)))
+            self.width = self.packed.shape[1] * 64
+            # the expression decodes q - 8: fold the 8 into the zero; pad the groups to whole blocks
+            n_groups = self.width // self.groupsize
+            scales = self.scales.float()
+            zeros = self.zeros.float() + 8 * scales
+            self.scales = F.pad(scales, (0, n_groups - scales.shape[1]))
+            self.zeros = F.pad(zeros, (0, n_groups - zeros.shape[1]))
         self.weight = None
 
     def grouped(self, packed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -327,16 +354,21 @@ class Int4Linear(PackedLinear):
         return q, s, z
 
     def dequantized(self, dtype) -> Tensor:
-        q, s, z = self.grouped(self.packed)
-        w = (q.float() * s + z).reshape(self.out_features, -1)[:, :self.in_features]
-        return w.to(dtype)
+        if self.cpu_kernel_layout:
+            q = unpack_int4_rows(self.packed).view(self.out_features, -1, self.groupsize)
+            groups = q.shape[1]
+            w = q.float() * self.scales[:, :groups, None].float() + self.zeros[:, :groups, None].float()
+        else:
+            q, s, z = self.grouped(self.packed)
+            w = q.float() * s + z
+        return w.reshape(self.out_features, -1)[:, :self.in_features].to(dtype)
 
     def matvec(self, xp: Tensor) -> Tensor:
         q, s, z = self.grouped(self.packed)
         return ((q.float() * s + z) * xp.view(q.shape[1:])).sum((-4, -3, -2, -1)).view(1, -1)
 
     def cpu_kernel(self, xp: Tensor) -> Tensor:
-        return kernels.int4_linear(xp, self.lanes(), self.scales, self.zeros)
+        return kernels.q4_linear(xp, self.packed, self.scales, self.zeros, self.groupsize)
 
 
 class Int8Embedding(nn.Module):
@@ -351,15 +383,22 @@ class Int8Embedding(nn.Module):
         self.dtype = torch.float32
 
     def pack(self, cache: dict, dtype: torch.dtype):
+        # a tied head reads the same packed rows, so the embedding takes the head's layout
         self.dtype = dtype  # the model's activations
-        self.packed = cached_pack(cache, self.weight, pack_int8)
+        self.cpu_kernel_layout = for_cpu_kernel(self.weight)
+        self.packed = cached_pack(cache, self.weight, pack_int8_for_device)
         self.scales = self.scales.float()
         self.weight = None
 
     def forward(self, tokens: Tensor) -> Tensor:
-        rows = unpack_int8(self.packed[tokens])  # (..., blocks, 4, 8)
-        rows = rows.reshape(*tokens.shape, -1)[..., :self.embedding_dim]
-        return (rows.float() * self.scales[tokens][..., None]).to(self.dtype)
+        rows = self.packed[tokens]
+        if not self.cpu_kernel_layout:
+            rows = unpack_int8(rows).reshape(*tokens.shape, -1)  # (..., blocks, 4, 8) -> (..., width)
+        return (rows[..., :self.embedding_dim].float() * self.scales[tokens][..., None]).to(self.dtype)
+
+
+def pack_int8_for_device(q: Tensor) -> Tensor:
+    return pad_columns(q, 32).contiguous() if for_cpu_kernel(q) else pack_int8(q)
 
 
 def cached_pack(cache: dict, weight: Tensor, fn) -> Tensor:

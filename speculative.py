@@ -305,12 +305,10 @@ class SpeculativeEngine:
         self.model, self.device = engine.model, engine.device
         self.verify, self.compiled = verify, compile
         if compile:  # dynamic: one graph for every number of proposals and every context length
+            # on CPU with a C++ wrapper around the graph's ~300 kernel calls (half of them
+            # kernels.py's, outside inductor's code): a 4-token SmolLM2 verify took 32 ms
+            # instead of 40 (one-off profile)
             options = compile_options(self.device, compile_mode)
-            if self.device.type == "cpu":
-                # a C++ wrapper around the graph's ~300 kernel calls (half of them kernels.py's
-                # products, outside inductor's code): a 4-token SmolLM2 verify took 32 ms
-                # instead of 40 (one-off profile). The one-token step gains nothing from it.
-                options["options"] = {"cpp_wrapper": True}
             self.verify = torch.compile(verify, fullgraph=True, dynamic=True, **options)
         self.guards_checked, self.skip_guards = False, True
         self.k_now = k  # this round's proposals at most: k, or next_k's choice when adaptive
