@@ -205,7 +205,10 @@ def compile_options(device: torch.device, compile_mode: str) -> dict:
         return {}
     # default: inductor's C++ kernels, cached on disk across runs, called from C++ rather than
     # Python: a quantized SmolLM2 step calls ~180 kernels.py operators, and int8/int4 decoded
-    # 15-18% faster this way (float32 the same; in-process A/B, one-off)
+    # 15-18% faster this way (float32 the same; in-process A/B, one-off). Not under tensor
+    # parallelism: the C++ wrapper cannot call the functional collectives.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return {}
     return {"options": {"cpp_wrapper": True}}
 
 

@@ -89,11 +89,16 @@ def bench_layers(args: ModelArgs, a):
             mods.append(m)
         return mods
 
+    def lanes(make):  # packed in lanes for inductor's unpacking expression, as without kernels.py
+        with kernels.switched_off():
+            return make()
+
     def compiled(mods, call=lambda m, x: m(x)):
         f = torch.compile(lambda ms, xs: [call(m, x) for m, x in zip(ms, xs)], fullgraph=True)
         return lambda: f(mods, xs)
 
     f32, b16, i8, i4 = linears(torch.float32), linears(torch.bfloat16), int8_layers(), int4_layers()
+    i8_lanes, i4_lanes = lanes(int8_layers), lanes(int4_layers)
     int8_rows = [Q.quantize_int8(w) for w in weights]
     xs16 = [x.reshape(1, -1).bfloat16() for x in xs]
     packed_fbgemm = []
@@ -113,15 +118,17 @@ def bench_layers(args: ModelArgs, a):
         "float32 multiply-and-sum, compiled (ours)": compiled(f32),
         "bfloat16 F.linear (oneDNN), eager": lambda: [F.linear(x.bfloat16(), m.weight) for m, x in zip(b16, xs)],
         "bfloat16 multiply-and-sum, compiled (ours)": compiled(b16),
-        "int8 four shifted terms, compiled (ours)": compiled(i8),
-        "int8 unpack then reduce, compiled (before)": compiled(i8, int8_unpack_then_reduce),
+        "int8 kernels.q8_linear, int8 activations, compiled (ours)": compiled(i8),
+        "int8 four shifted terms, compiled (inductor; without kernels.py)": compiled(i8_lanes),
+        "int8 unpack then reduce, compiled (before that)": compiled(i8_lanes, int8_unpack_then_reduce),
         "int8 _weight_int8pack_mm, bf16 activations": lambda: [
             torch.ops.aten._weight_int8pack_mm(x, q, s.bfloat16()) for x, (q, s) in zip(xs16, int8_rows)],
         "int8 fbgemm quantized::linear_dynamic": lambda: [
             torch.ops.quantized.linear_dynamic(x.reshape(1, -1), p, True) for x, p in zip(xs, packed_fbgemm)],
         "int8 torch._int_mm, int8 activations": lambda: [
             int_mm(x, qt, sc) for x, qt, (_, sc) in zip(xs, int8_t, int8_rows)],
-        "int4 g32, compiled (ours)": compiled(i4),
+        "int4 g32 kernels.q4_linear, int8 activations, compiled (ours)": compiled(i4),
+        "int4 g32 unpacking expression, compiled (inductor; without kernels.py)": compiled(i4_lanes),
     }
     weights_mb = sum(w.numel() for w in weights) * args.n_layers / 1e6
     print(f"one decode token's products over {args.n_layers} blocks ({weights_mb:.0f}M weights), "
