@@ -283,6 +283,9 @@ def test_perplexity_matches_direct_computation(tmp_path, one_thread):
                                reduction="sum").item()
     ppl, n = ev.perplexity(model, ids, window=32, stride=16)
     assert n == 69 and ppl == pytest.approx(math.exp(nll / 69), rel=1e-5)
+    # --chunk: the same windows fed 5 tokens at a time through the KV cache (float: same figure)
+    chunked, n = ev.perplexity(model, ids, window=32, stride=16, chunk=5)
+    assert n == 69 and chunked == pytest.approx(ppl, rel=1e-5)
 
 
 def test_eval_cli_prints_perplexity_last(tiny_checkpoint):
