@@ -320,7 +320,7 @@ model.setup_caches(1, 512)
 tokens = torch.randint(0, 1000, (1, 300))
 faults = []
 with torch.inference_mode():
-    for _ in range(3):
+    for _ in range(4):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         model(tokens, torch.arange(300), last_logits_only=True, kv_len=300)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -338,4 +338,6 @@ def test_repeated_prefill_reuses_freed_memory(smollm2_dir):
     assert r.returncode == 0, r.stderr
     first, *later = map(int, r.stdout.split())
     assert first > 1000, (first, later)  # the activations do need fresh pages the first time
-    assert max(later) < first / 10, (first, later)
+    # the median of the later calls: one of them now and then maps a few thousand pages more
+    # (2126 and 2298 of ~20k, in 2 of 4 runs of a clean checkout); without the setting all take ~first
+    assert sorted(later)[1] < first / 10, (first, later)
