@@ -259,13 +259,13 @@ class PackedLinear(nn.Module):
     - Otherwise (longer prompts, eager CUDA) the layer dequantizes its weight for the float matmul."""
 
     def forward(self, x: Tensor) -> Tensor:
-        tokens = x.shape[:-1].numel()
-        if self.cpu_kernel_layout and tokens <= kernels.MAX_TOKENS:
-            y = self.cpu_kernel(padded_tokens(x, self.width)).to(x.dtype).view(*x.shape[:-1], -1)
+        if self.cpu_kernel_layout and x.shape[:-1].numel() <= kernels.MAX_TOKENS:
+            y = self.cpu_kernel(padded_tokens(x, self.width))  # (tokens, out) float32
         elif not self.cpu_kernel_layout and use_kernel(x):
-            y = self.matvec(realized(padded_tokens(x, self.width))).to(x.dtype).view(*x.shape[:-1], -1)
+            y = self.matvec(realized(padded_tokens(x, self.width)))
         else:
             y = F.linear(x, self.dequantized(x.dtype))
+        y = y.to(x.dtype).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
 
