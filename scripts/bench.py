@@ -9,6 +9,7 @@
 Engines (--engines), each started in its own subprocess, all fed the same prompt token ids:
   ours        generate.py --compile (torch.compile of the decode step)
   ours-max    generate.py --compile --compile_mode max (frozen weights, inductor GEMM kernels)
+  ours-prefill generate.py --compile --compile_prefill (the prefill compiled too, dynamic shapes)
   ours-eager  generate.py --no-compile
   hf          Hugging Face transformers' best CPU configuration: static cache +
               torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
@@ -100,6 +101,7 @@ PROMPTS = {"short": SHORT_PROMPT, "long": LONG_PROMPT}
 ENGINES = {  # name -> label in the table
     "ours": "ours (compiled decode)",
     "ours-max": "ours (--compile_mode max)",
+    "ours-prefill": "ours (--compile_prefill)",
     "ours-eager": "ours (eager)",
     "hf": "transformers static+compile",
     "hf-eager": "transformers eager",
@@ -224,6 +226,7 @@ def run_ours(a, engine, dtype, ids, workdir: Path, tag: str) -> dict:
                "--prompt", text, "--max_new_tokens", str(a.max_new_tokens), "--temperature", "0",
                "--device", "cpu", "--dtype", "float32" if dtype in QUANTIZED else dtype, "--no-compile" if engine == "ours-eager" else "--compile",
                *(["--compile_mode", "max"] if engine == "ours-max" else []),
+               *(["--compile_prefill"] if engine == "ours-prefill" else []),
                "--ignore_eos", "--num_samples", str(a.num_samples), "--metrics_json", str(out)]
         metrics, err, w = run_process(cmd, out, workdir / f"{tag}-{name}.log", a.timeout)
         wall += w
@@ -365,7 +368,7 @@ def print_table(summary: list, membw: list, ids: dict, a):
         if agree:
             print(f"greedy tokens agreeing with {ENGINES[ref['engine']]} {ref['dtype']} (short prompt): {', '.join(agree)}")
     for s in summary:
-        if s["warmup_s"].get("short") and s["engine"] in ("hf", "ours", "ours-max"):
+        if s["warmup_s"].get("short") and s["engine"] in ("hf", "ours", "ours-max", "ours-prefill"):
             print(f"{ENGINES[s['engine']]} {s['dtype']}: first (compiling) generation took "
                   f"{s['warmup_s']['short']:.1f} s short / {s['warmup_s'].get('long') or 0:.1f} s long")
         if not s["exact_new_tokens"] and s["new_tokens_seen"]:

@@ -2,9 +2,11 @@
 
     python scripts/quant_report.py --model smollm2-135m
     python scripts/quant_report.py --model qwen2.5-coder-0.5b --max_tokens 16384
+    python scripts/quant_report.py --model smollm2-135m --groupsize 128 --variants int4,int4-gptq
 
-For checkpoints/MODEL it makes (with quantize.py, when missing) the int8, int4 g32 and GPTQ int4
-g32 checkpoints, runs eval.py on each and on the float one over the same text, and prints a table:
+For checkpoints/MODEL it makes (with quantize.py, when missing) the int8, int4 and GPTQ int4
+checkpoints (int4 groups of --groupsize, default 32), runs eval.py on each and on the float one
+over the same text, and prints a table:
 checkpoint size (and % of float32), perplexity (and % above float), against the targets: int8
 within 1% of float, int4 g32 within 5%, GPTQ below round-to-nearest; int8 <= 30% of the float
 size, int4 <= 18%. Decode speed is scripts/bench.py's job (--quantized int8,int4-g32).
@@ -16,11 +18,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {  # label -> quantize.py arguments
-    "int8": ["--mode", "int8"],
-    "int4-g32": ["--mode", "int4", "--groupsize", "32"],
-    "int4-gptq-g32": ["--mode", "int4-gptq", "--groupsize", "32"],
-}
+MODES = ("int8", "int4", "int4-gptq")  # quantize.py --mode
 
 
 def run(cmd: list) -> str:
@@ -34,7 +32,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="checkpoints/MODEL is the float checkpoint")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated from {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(MODES), help=f"comma-separated from {', '.join(MODES)}")
+    p.add_argument("--groupsize", type=int, default=32, help="int4 group size")
     p.add_argument("--max_tokens", type=int, default=None, help="eval.py: score only the first N tokens")
     p.add_argument("--json", type=Path, default=None, help="write the figures here too")
     a = p.parse_args(argv)
@@ -42,11 +41,15 @@ def main(argv=None):
     if not (base / "config.json").exists():
         sys.exit(f"error: {base} not found (python scripts/prepare.py {a.model})")
     rows = {"float32": base}
-    for label in a.variants.split(","):
+    for mode in a.variants.split(","):
+        if mode not in MODES:
+            sys.exit(f"error: unknown variant {mode!r} (choose from {', '.join(MODES)})")
+        label = mode if mode == "int8" else f"{mode}-g{a.groupsize}"  # quantize.py's default names
         out = base.parent / f"{base.name}-{label}"
         if not (out / "config.json").exists():
             print(f"[report] making {out}", file=sys.stderr, flush=True)
-            run(["quantize.py", "--checkpoint", base, *VARIANTS[label], "--out", out])
+            group = [] if mode == "int8" else ["--groupsize", a.groupsize]
+            run(["quantize.py", "--checkpoint", base, "--mode", mode, *group, "--out", out])
         rows[label] = out
     figures = {}
     for label, ckpt in rows.items():
@@ -65,12 +68,13 @@ def main(argv=None):
     if "int8" in figures:
         checks += [("int8 perplexity within 1%", figures["int8"]["perplexity"] <= 1.01 * f["perplexity"]),
                    ("int8 size <= 30%", figures["int8"]["bytes"] <= 0.30 * f["bytes"])]
-    if "int4-g32" in figures:
-        checks += [("int4 g32 perplexity within 5%", figures["int4-g32"]["perplexity"] <= 1.05 * f["perplexity"]),
-                   ("int4 size <= 18%", figures["int4-g32"]["bytes"] <= 0.18 * f["bytes"])]
-    if "int4-g32" in figures and "int4-gptq-g32" in figures:
+    rtn, gptq = f"int4-g{a.groupsize}", f"int4-gptq-g{a.groupsize}"
+    if rtn in figures:
+        checks += [(f"int4 g{a.groupsize} perplexity within 5%", figures[rtn]["perplexity"] <= 1.05 * f["perplexity"]),
+                   ("int4 size <= 18%", figures[rtn]["bytes"] <= 0.18 * f["bytes"])]
+    if rtn in figures and gptq in figures:
         checks.append(("GPTQ closer to float than round-to-nearest",
-                       figures["int4-gptq-g32"]["perplexity"] < figures["int4-g32"]["perplexity"]))
+                       figures[gptq]["perplexity"] < figures[rtn]["perplexity"]))
     for name, ok in checks:
         print(f"{'met' if ok else 'NOT MET'}: {name}")
     if a.json:

@@ -35,10 +35,19 @@ def test_int4_round_trip_error_is_bounded(groupsize):
     q, s, z = Q.quantize_int4(w, groupsize)
     width = Q.padded_width(320, groupsize)
     assert q.shape == (48, width) and int(q.max()) <= 15 and s.shape == (48, width // groupsize)
-    w_hat = Q.dequantize_int4(q, s, z)
-    step = s.repeat_interleave(groupsize, dim=1)
-    assert ((w_hat[:, :320] - w).abs() <= 0.51 * step[:, :320] + 1e-6).all()  # half a step (fp16 params)
-    assert ((w_hat[:, :320] - w).norm() / w.norm()) < 0.12
+    w_hat = Q.dequantize_int4(q, s, z)[:, :320]
+    step, zero = s.repeat_interleave(groupsize, dim=1)[:, :320], z.repeat_interleave(groupsize, dim=1)[:, :320]
+    inside = (w >= zero) & (w <= zero + 15 * step)  # not clipped by the grid search: half a step off at most
+    assert inside.float().mean() > 0.95
+    assert ((w_hat - w).abs()[inside] <= 0.51 * step[inside] + 1e-6).all()  # (fp16 params)
+    assert ((w_hat - w).norm() / w.norm()) < 0.12
+    # min..max in 15 steps is one of the search's candidates: no group does worse than it, and
+    # the search must find better grids for many
+    groups = Q.pad_columns(w, groupsize).view(48, -1, groupsize)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    plain = Q.int4_error(groups, ((hi - lo) / 15).half().float(), lo.half().float())
+    found = Q.int4_error(groups, s, z)
+    assert (found <= plain * (1 + 1e-5)).all() and found.sum() < 0.9 * plain.sum()
 
 
 def test_nibbles_round_trip():
@@ -154,6 +163,14 @@ def test_quantized_embedding_rows(one_thread):
     emb.pack({}, torch.float32)
     ids = torch.tensor([[3, 49, 0], [7, 7, 1]])
     torch.testing.assert_close(emb(ids), (q.float() * s[:, None])[ids])
+    # int4 in groups (an untied model's table in int4 modes), 72 columns padded to 2 groups of 64
+    q4, s4, z4 = Q.quantize_int4(w, 64)
+    emb4 = Q.Int4Embedding(50, 72, 64)
+    emb4.load_state_dict({"weight": Q.nibbles_to_bytes(q4), "scales": s4.half(), "zeros": z4.half()}, assign=True)
+    emb4.pack({}, torch.float32)
+    table = Q.dequantize_int4(q4, s4.half(), z4.half())[:, :72]
+    torch.testing.assert_close(emb4(ids), table[ids])
+    assert (table - w).abs().max() < 0.5
 
 
 # ---------------------------------------------------------------- GPTQ
@@ -170,7 +187,7 @@ def test_gptq_lowers_layer_reconstruction_error():
     errors = {}
     for name, (q, s, z) in {"rtn": Q.quantize_int4(W, 32), "gptq": Q.gptq_int4(W, H, 32)}.items():
         errors[name] = ((X @ W.T - X @ Q.dequantize_int4(q, s, z).T) ** 2).mean().item()
-    assert errors["gptq"] < 0.8 * errors["rtn"], errors
+    assert errors["gptq"] < 0.9 * errors["rtn"], errors  # 0.81 measured; 0.77 with min..max grids
 
 
 # ---------------------------------------------------------------- checkpoints end to end
@@ -201,6 +218,11 @@ def test_quantized_checkpoint_loads_and_decodes_like_eager(mode, tiny_checkpoint
     with safe_open(out / "model.safetensors", "pt") as f:
         assert json.loads(f.metadata()["quantization"])["mode"] == mode
         assert f.get_tensor("layers.0.attention.wqkv.weight").dtype == (torch.int8 if mode == "int8" else torch.uint8)
+        # the head is int8 in every mode; this untied model's table goes int4 with the blocks
+        assert f.get_tensor("output.weight").dtype == torch.int8
+        assert f.get_tensor("tok_embeddings.weight").dtype == (torch.int8 if mode == "int8" else torch.uint8)
+    assert (cfg["quantization"]["output"], cfg["quantization"]["embedding"]) == \
+        ("int8", "int8" if mode == "int8" else "int4")
     model = load_model(out)
     float_model = load_model(tiny_checkpoint)
     prompt = list(range(100, 140))
@@ -216,6 +238,31 @@ def test_quantized_checkpoint_loads_and_decodes_like_eager(mode, tiny_checkpoint
     (a,), _ = eager.generate([prompt[:8]], 12, Sampling())
     (b,), _ = compiled.generate([prompt[:8]], 12, Sampling())
     assert a == b  # the compiled packed kernels decode the same tokens as eager dequantize + matmul
+
+
+def test_untied_int4_checkpoint_from_before_the_int8_head_loads_as_made(tmp_path, monkeypatch, one_thread):
+    """Files made before session 9 have an int4 head and an int8 embedding, and config.json
+    records that: the loader follows the record, not what quantize.py makes today."""
+    from generate import load_model
+    model = random_model(seed=7, std=0.05, dim=128, intermediate_size=192, tie_word_embeddings=False)
+    src = save_checkpoint(model, tmp_path / "float")
+    old = {"output": "int4", "tok_embeddings": "int8"}
+    monkeypatch.setattr(Q, "layer_kind", lambda args, mode, name: old.get(name, "int4"))
+    with torch.no_grad():
+        state = Q.quantize_state(model, "int4", 32)
+    monkeypatch.undo()
+    scheme = {"mode": "int4", "embedding": "int8", "output": "int4", "groupsize": 32, "padded": []}
+    Q.write_checkpoint(src, tmp_path / "old", model.args, scheme, state)
+    loaded = load_model(tmp_path / "old")
+    assert isinstance(loaded.output, Q.Int4Linear) and isinstance(loaded.tok_embeddings, Q.Int8Embedding)
+    head = Q.dequantize_int4(Q.bytes_to_nibbles(state["output.weight"]), state["output.scales"], state["output.zeros"])
+    torch.testing.assert_close(loaded.output.dequantized(torch.float32), head)  # the int4 head as written
+    ids = torch.arange(3, 40).view(1, -1)
+    for m in (loaded, model):
+        m.setup_caches(1, 64)
+    with torch.no_grad():
+        lq, lf = loaded(ids, torch.arange(37)), model(ids, torch.arange(37))
+    assert ((lq - lf).norm() / lf.norm()).item() < 0.3  # random weights: 4 bits is coarse (as above)
 
 
 @pytest.fixture(scope="module")
