@@ -23,6 +23,7 @@ output of each row-wise layer (and all-gather the logits) through functional col
 torch.compile traces into the compiled decode step.
 """
 import atexit
+import faulthandler
 import os
 import sys
 from dataclasses import dataclass
@@ -318,6 +319,8 @@ def init_from_env(device: str = "cpu") -> tuple[Optional[TensorParallel], str]:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=TIMEOUT_S),
                                 device_id=torch.device(device) if cuda else None)
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    # a rank that crashes below Python (SIGABRT, SIGSEGV) still names the Python line it was on
+    faulthandler.enable(sys.__stderr__)
     if rank != 0:
         quiet()
     return TensorParallel(rank, world, device=device), device

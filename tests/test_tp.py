@@ -38,10 +38,22 @@ def _one_thread(one_thread):
     yield
 
 
-def torchrun(n: int, *args, timeout=600) -> subprocess.CompletedProcess:
+# A rank killed by one of these is a crash below Python, not an answer of ours
+CRASH_SIGNALS = ("(SIGABRT)", "(SIGSEGV)", "(SIGBUS)")
+
+
+def torchrun(n: int, *args, timeout=600, retry=True) -> subprocess.CompletedProcess:
+    """One torchrun job; run again once if a rank crashed below Python. One CI run (session 9)
+    lost its 2-rank job to a rank's SIGABRT ("terminate called without an active exception")
+    that 60 runs of the same job here did not repeat; tp.py now has faulthandler print the
+    Python line such a crash comes from, and a crash that happens twice still fails the test."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="60")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                           *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *map(str, args)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if retry and r.returncode != 0 and any(s in r.stderr for s in CRASH_SIGNALS):
+        print(f"torchrun: a rank crashed, running the job once more; its stderr ended:\n{r.stderr[-3000:]}")
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    return r
 
 
 def run_worker(n: int, cases: list, tmp: Path, *extra) -> dict:
@@ -211,22 +223,25 @@ def test_cli_tp2_bad_checkpoint_ends_the_job_with_one_message(smollm2_dir, tmp_p
                       "in the checkpoint, config.json implies (64, 32)"], r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("how", ["fail_rank", "crash_rank"])
+@pytest.mark.parametrize("how", ["fail_rank", "crash_rank", "abort_rank"])
 def test_a_failing_rank_ends_the_job(tmp_path, how):
     """fail_rank: rank 1 raises MemoryError while loading: all ranks stop, rank 0 says why.
     crash_rank: rank 1 dies without a word after loading, rank 0 waits in an all-reduce:
-    torchrun ends the job. Both within seconds, with a non-zero status."""
+    torchrun ends the job. abort_rank: rank 1 crashes below Python, and its stderr names the
+    Python line it was on. All within seconds, with a non-zero status."""
     ckpt = save_checkpoint(random_model(), tmp_path / "m")
     (tmp_path / "cases.json").write_text(json.dumps([dict(name="m", checkpoint=str(ckpt), prompts=PROMPTS_B1,
                                                           steps=2)]))
     t0 = time.monotonic()
     r = torchrun(2, "tests/tp_worker.py", "--cases", tmp_path / "cases.json", "--out", tmp_path / "r.pt",
-                 f"--{how}", 1, timeout=120)
+                 f"--{how}", 1, timeout=120, retry=False)
     assert r.returncode != 0 and time.monotonic() - t0 < 90
     if how == "fail_rank":
         assert "TPError: rank 1: MemoryError: cannot allocate the shard (injected)" in r.stderr, r.stderr[-3000:]
-    else:
+    elif how == "crash_rank":
         assert "exitcode  : 3" in r.stderr, r.stderr[-3000:]
+    else:
+        assert "Fatal Python error: Aborted" in r.stderr and 'tp_worker.py", line' in r.stderr, r.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- the plan itself, in one process

@@ -61,6 +61,7 @@ def main():
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--fail_rank", type=int, default=None, help="this rank runs out of memory while loading")
     p.add_argument("--crash_rank", type=int, default=None, help="this rank dies after loading")
+    p.add_argument("--abort_rank", type=int, default=None, help="this rank aborts (SIGABRT) after loading")
     a = p.parse_args()
     torch.set_num_threads(1)
     tp, _ = tplib.init_from_env("cpu")
@@ -80,6 +81,8 @@ def main():
             model = tp.all_ranks_ok(load, case["checkpoint"])
         if tp.rank == a.crash_rank:
             os._exit(3)  # no exception, no message: the others are left in their next all-reduce
+        if tp.rank == a.abort_rank:
+            os.abort()  # a crash below Python: faulthandler names this line
         with off():
             if case.get("speculate_k"):  # greedy speculative decoding, with a sharded draft or n-grams
                 r = run_speculative(model, case, tp.all_ranks_ok(load, case["draft"]) if case.get("draft") else None)
