@@ -17,7 +17,8 @@ does well here.
 
 It is C++ compiled once per machine with torch.utils.cpp_extension (g++ is needed anyway: it is
 what inductor compiles to on CPU) and registered as operators `minillm::...`, which compiled
-graphs call like aten ops. Where it cannot be built (no AVX2, no compiler) or when
+graphs call like aten ops. On a CPU with AVX-512 VNNI the integer dot products use its vpdpbusd
+(one instruction for AVX2's two); MINILLM_KERNELS_VNNI=0 builds the AVX2 loops there too. Where it cannot be built (no AVX2, no compiler) or when
 MINILLM_KERNELS=0, `available()` is False and callers use F.linear, SDPA and inductor.
 """
 import os

@@ -1,4 +1,10 @@
-"""kernels.small_linear: the register-blocked few-token product used for speculative verifies."""
+"""kernels.py: the register-blocked few-token float product used for speculative verifies, and
+the build variants of the integer loops (their products are checked in test_quantize.py)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,3 +56,20 @@ def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
     for y in (eager, compiled):
         assert y.shape == (1, 5, 48)
         assert (y.double() - ref).abs().max().item() < 1e-5
+
+
+def test_the_other_build_of_the_integer_loops_gives_the_same_products():
+    """Where the CPU has AVX-512 VNNI the kernels are built with it, so the AVX2 loops (what
+    every AVX2-only machine runs) would go untested: run test_quantize.py's kernel cases once
+    more, in a process that builds and loads those (MINILLM_KERNELS_VNNI=0). On an AVX2-only
+    machine they are the default build, which the rest of the suite tests."""
+    if not kernels.has_vnni():
+        pytest.skip("the default build here is the AVX2 one, tested by the rest of the suite")
+    root = Path(__file__).resolve().parents[1]
+    script = ("import kernels, sys; assert kernels.available() and not kernels.has_vnni(); "
+              "import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/test_quantize.py', "
+              "'-k', 'quantized_linear_equals_dequantized_matmul and cpp-kernel']))")
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "MINILLM_KERNELS_VNNI": "0", "PYTHONPATH": str(root)})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "AVX2; built once" in r.stderr and " passed" in r.stdout
