@@ -17,13 +17,16 @@ does well here.
 
 It is C++ compiled once per machine with torch.utils.cpp_extension (g++ is needed anyway: it is
 what inductor compiles to on CPU) and registered as operators `minillm::...`, which compiled
-graphs call like aten ops. On a CPU with AVX-512 VNNI the integer dot products use its vpdpbusd
-(one instruction for AVX2's two); MINILLM_KERNELS_VNNI=0 builds the AVX2 loops there too. Where it cannot be built (no AVX2, no compiler) or when
-MINILLM_KERNELS=0, `available()` is False and callers use F.linear, SDPA and inductor.
+graphs call like aten ops. On a CPU with AVX-512 VNNI the integer dot products use its
+vpdpbusd (one instruction for AVX2's two); MINILLM_KERNELS_VNNI=0 builds the AVX2 loops there
+too. Where it cannot be built (no AVX2, no compiler) or when MINILLM_KERNELS=0, `available()`
+is False and callers use F.linear, SDPA and inductor.
 """
+import functools
 import os
 import sys
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -275,7 +278,7 @@ void q4_group(const uint8_t* w, const at::Half* scales, const at::Half* zeros, i
   for (int64_t t = 0; t < x.T; ++t) {
     const int8_t* xq = x.q.data() + t * K;
     const float* d = x.d.data() + t * KB;
-    __m256 acc[R], zacc[R];
+    __m256 acc[R];  // each row's zero term, then its products added
     for (int r = 0; r < R; ++r) {
       // sc[r * KB + b]: row r's scale for block b times the block's activation scale
       const uint16_t* s16 = reinterpret_cast<const uint16_t*>(scales + (n + r) * G8);
@@ -290,12 +293,11 @@ void q4_group(const uint8_t* w, const at::Half* scales, const at::Half* zeros, i
         for (int64_t b = 0; b < KB; ++b) scr[b] = _cvtsh_ss(s16[b >> gshift]) * d[b];
       }
       acc[r] = _mm256_setzero_ps();
-      zacc[r] = _mm256_setzero_ps();
       const uint16_t* z16 = reinterpret_cast<const uint16_t*>(zeros + (n + r) * G8);
       const float* xs = xsum + t * G8;
       for (int64_t g = 0; g < G8; g += 8)
-        zacc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z16 + g))),
-                                  _mm256_loadu_ps(xs + g), zacc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z16 + g))),
+                                 _mm256_loadu_ps(xs + g), acc[r]);
     }
     for (int r = 0; r < R; ++r) {
       const uint8_t* wr = w + (n + r) * (K / 2);
@@ -312,9 +314,8 @@ void q4_group(const uint8_t* w, const at::Half* scales, const at::Half* zeros, i
         step(b, a0, a1); step(b + 2, a2, a3);
       }
       if (b < KB) step(b, a0, a1);
-      acc[r] = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+      acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     }
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_add_ps(acc[r], zacc[r]);
     store_sums<R>(acc, nullptr, y + t * N + n);
   }
 }
@@ -530,17 +531,23 @@ def available() -> bool:
     return _state["built"]
 
 
+@functools.cache
+def cpu_flags() -> Optional[frozenset]:
+    """The x86 CPU's feature flags as Linux lists them (avx2, avx512_vnni, ...): empty on other
+    CPUs, None where /proc/cpuinfo cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split()[2:])
+    except OSError:
+        return None
+
+
 def has_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI (with the VL and BW parts the 256-bit form needs); the
     kernels are then built with it, unless MINILLM_KERNELS_VNNI=0."""
     if os.environ.get("MINILLM_KERNELS_VNNI", "1") == "0":
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return False
-    return {"avx512_vnni", "avx512vl", "avx512bw", "avx512f"} <= flags
+    return {"avx512_vnni", "avx512vl", "avx512bw", "avx512f"} <= (cpu_flags() or set())
 
 
 def _build() -> bool:

@@ -203,12 +203,8 @@ def realized(x: Tensor) -> Tensor:
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512-BF16 or AMX); True when unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return True
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    flags = kernels.cpu_flags()
+    return flags is None or "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 CPU_HAS_BF16 = cpu_has_bf16()  # read once: the compiled graph sees a constant
