@@ -290,6 +290,13 @@ def test_smollm2_quantized_sizes_and_logits(smollm2_dir, smollm2_quantized, one_
     for mode, d in smollm2_quantized.items():
         assert (d / "model.safetensors").stat().st_size <= limits[mode] * float_bytes
         m = load_model(d)
+        # packed weights are frozen Parameters (the compiled step re-checks plain buffers every
+        # call), and the tied head still reads the embedding's very tensor
+        assert [n for n, _ in m.named_buffers() if "cache" not in n and "inv_freq" not in n] == []
+        # at least packed integers and scales of the 5 products (wqkv, wo, w1, w3, w2) of 30 blocks
+        packed = [p for n, p in m.named_parameters() if n.endswith((".packed", ".scales", ".zeros"))]
+        assert len(packed) >= 2 * 5 * 30 and not any(p.requires_grad for p in packed)
+        assert m.output.packed is m.tok_embeddings.packed and isinstance(m.output.packed, torch.nn.Parameter)
         m.setup_caches(1, 64)
         with torch.no_grad():
             lq = m(torch.tensor([ids]), torch.arange(len(ids)))
