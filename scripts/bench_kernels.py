@@ -214,6 +214,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is shown")
     p.add_argument("--calls", type=int, default=20, help="layers: calls per round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="verify, prefill: the model's dtype")
     a = p.parse_args(argv)
     if not (a.checkpoint / "config.json").is_file():
         print(f"error: no checkpoint at {a.checkpoint} (run scripts/prepare.py smollm2-135m)", file=sys.stderr)
@@ -222,7 +224,7 @@ def main(argv=None):
     if a.what in ("layers", "all"):
         bench_layers(ModelArgs.from_json(a.checkpoint / "config.json"), a)
     if a.what in ("verify", "prefill", "all"):
-        model = load_model(a.checkpoint, torch.device("cpu"), torch.float32)
+        model = load_model(a.checkpoint, torch.device("cpu"), getattr(torch, a.dtype))
         if a.what in ("verify", "all"):
             print()
             bench_verify(model, a)
