@@ -25,7 +25,7 @@ Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. 
   top-p: `generate.logits_to_probs`) of target and draft. An n-gram proposal is a point mass
   (q = one-hot): accept with probability p(d), on rejection sample from p with d removed.
 
-How many to propose (`--adaptive_k`, on by default; `next_k`): start at 3, double after a block
+How many to propose (`--adaptive_k`, on by default; `next_k`): start at 2, double after a block
 accepted whole (up to --speculate_k), drop to one more than were accepted after a rejection. The
 compiled verify is one dynamic graph for every block length and context length, so a short
 block costs a short verify: the weights are read once either way, the arithmetic and attention
@@ -263,7 +263,7 @@ class DraftProposer:
 
 # ---------------------------------------------------------------- adaptive k
 
-ADAPTIVE_MIN_K = 3
+ADAPTIVE_MIN_K = 2
 
 
 def next_k(k: int, accepted: int, proposed: int, k_max: int) -> int:

@@ -36,6 +36,20 @@ def test_small_linear_matches_float64_reference(wdtype):
             assert err < 2e-5 * K ** 0.5, (N, K, T, err)
 
 
+def test_small_linear_gives_a_token_the_same_bits_whatever_the_token_count():
+    # 2-4 tokens run one weight row at a time, 5 or more two rows at a time, in token blocks
+    # that depend on the count: none of that may change a token's sums (a verify of k tokens
+    # must score a token as a verify of more tokens would)
+    if not kernels.available():
+        pytest.fail("kernels.small_linear could not be built here")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(101, 200, generator=g)
+    x = torch.randn(16, 200, generator=g)
+    full = kernels.small_linear(x, w)
+    for T in range(2, 16):
+        assert torch.equal(kernels.small_linear(x[:T], w), full[:T]), T
+
+
 def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
     torch.manual_seed(0)
     lin = Linear(64, 48, bias=True)
