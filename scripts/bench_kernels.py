@@ -3,6 +3,7 @@
     python scripts/bench_kernels.py --what layers    # one decode token's products, per kernel
     python scripts/bench_kernels.py --what verify    # a compiled (k+1)-token verify vs a decode step
     python scripts/bench_kernels.py --what prefill   # where a 494-token prefill spends its time
+    python scripts/bench_kernels.py --what prefill --dtype bfloat16   # the same in bfloat16
 
 Every row of a table is timed in the same process, in interleaved rounds (median shown), so
 the ratios hold even when the machine drifts. Speeds of whole runs are scripts/bench.py's job.
