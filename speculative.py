@@ -310,7 +310,7 @@ class SpeculativeEngine:
             # instead of 40 (one-off profile)
             options = compile_options(self.device, compile_mode)
             self.verify = torch.compile(verify, fullgraph=True, dynamic=True, **options)
-        self.guards_checked, self.skip_guards = False, True
+        self.guards_checked, self.step_guards_checked, self.skip_guards = False, False, True
         self.k_now = k  # this round's proposals at most: k, or next_k's choice when adaptive
         self.tokens: list = []  # the target's context: tokens by cache position (the last one not fed yet)
         self.ring = None
@@ -366,7 +366,7 @@ class SpeculativeEngine:
                           k=self.k, histogram=[0] * (self.k + 1))
         draft_forwards0 = self.proposer.forwards
         self.k_now = min(ADAPTIVE_MIN_K, self.k) if self.adaptive else self.k
-        self.guards_checked = False
+        self.guards_checked = self.step_guards_checked = False
         stop, out = set(stop_ids), []
 
         def emit(new: list):
@@ -424,9 +424,12 @@ class SpeculativeEngine:
         stats.target_forwards += 1
         if not drafts:  # nothing to check: a plain decoding step
             stats.plain_steps += 1
-            cur = self.engine.decode_one_token(self.model, torch.tensor([[context[-1]]], device=dev),
-                                               torch.tensor([pos], device=dev),
-                                               torch.zeros(1, dtype=torch.long, device=dev), s)
+            # guards checked on the call's first plain step only, as for the verify (~1 ms a step)
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=self.step_guards_checked):
+                cur = self.engine.decode_one_token(self.model, torch.tensor([[context[-1]]], device=dev),
+                                                   torch.tensor([pos], device=dev),
+                                                   torch.zeros(1, dtype=torch.long, device=dev), s)
+            self.step_guards_checked = self.compiled and self.skip_guards
             return [cur.item()]
         m = len(drafts)
         self.ring.save(pos + 1, pos + m + 1)

@@ -21,11 +21,12 @@ Cases (--case, default: all that can run):
 
     python scripts/bench_speculative.py                     # every case, compiled, 2 rounds
     python scripts/bench_speculative.py --case ngram        # one case
+    python scripts/bench_speculative.py --case qwen --draft_dtype bfloat16   # the draft in bfloat16
     python scripts/bench_speculative.py --quick             # smoke test: 2 prompts, 24 tokens, 1 round, eager
     python scripts/bench_speculative.py --json bench-out/speculative.json
 
-Protocol: batch 1, greedy, float32, --threads threads (default 2), chat template on, generation
-stops at EOS or --max_new_tokens. For each prompt, plain decoding, speculative decoding with a
+Protocol: batch 1, greedy, float32 (the draft too, unless --draft_dtype), --threads threads
+(default 2), chat template on, generation stops at EOS or --max_new_tokens. For each prompt, plain decoding, speculative decoding with a
 fixed k and with the adaptive k (generate.py's default, `speculative.next_k`) run one after the
 other on the same target model (same compiled one-token step); rounds repeat the whole set.
 Each engine is warmed up (compiled) before timing. The figures: decode tokens/s of
@@ -143,7 +144,7 @@ def run_case(name: str, a) -> dict:
         speculative.check_same_tokenizer(CKPT / c["target"], CKPT / c["draft"])
     tok = Tokenizer(CKPT / c["target"])
     target = load_model(CKPT / c["target"])
-    draft = load_model(CKPT / c["draft"]) if c["draft"] else None
+    draft = load_model(CKPT / c["draft"], dtype=getattr(torch, a.draft_dtype)) if c["draft"] else None
     stop = sorted(set(target.args.eos_token_ids) | set(tok.eos_ids))
     prompts = c["prompts"][:2] if a.quick else c["prompts"]
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_bos=False) for p in prompts]
@@ -183,7 +184,8 @@ def run_case(name: str, a) -> dict:
                             + ("" if x["identical"] else "  OUTPUT DIFFERS")
                             for mode, x in ((mode, run[mode]) for mode in modes)))
     plain_tps = sum(x["plain_tokens"] for x in runs) / sum(x["plain_s"] for x in runs)
-    res = dict(case=name, target=c["target"], draft=c["draft"] or f"ngram {c['ngram']}", k=k, prompts=len(ids),
+    label = c["draft"] + ("" if a.draft_dtype == "float32" else f" ({a.draft_dtype})") if c["draft"] else None
+    res = dict(case=name, target=c["target"], draft=label or f"ngram {c['ngram']}", k=k, prompts=len(ids),
                rounds=a.rounds, plain_tokens_per_s=plain_tps, goal=c["goal"], runs=runs)
     for mode in modes:
         xs = [x[mode] for x in runs]
@@ -209,6 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--adaptive", choices=["both", "fixed", "adaptive"], default="both",
                    help="speculate with a fixed k, with the adaptive k (generate.py's default), or both, "
                         "each side by side with plain decoding (default: both)")
+    p.add_argument("--draft_dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the draft model's dtype (generate.py --draft_dtype); the target stays float32")
     p.add_argument("--max_new_tokens", type=int, default=160)
     p.add_argument("--rounds", type=int, default=2, help="times the whole prompt set is run")
     p.add_argument("--threads", type=int, default=2)

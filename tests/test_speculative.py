@@ -102,6 +102,21 @@ def test_quantized_draft_is_token_identical(target, mode, tmp_path):
     assert accepted > 0
 
 
+def test_bfloat16_draft_for_a_float32_target_is_token_identical(target):
+    # generate.py --draft_dtype bfloat16: the draft's own rounding changes what it proposes, never
+    # what the float32 target keeps
+    import copy
+    draft = copy.deepcopy(target).to(torch.bfloat16)
+    accepted = 0
+    for prompt in PROMPTS:
+        spec = spec_engine(target, 4, draft=draft)
+        assert spec.proposer.model.norm.weight.dtype == torch.bfloat16
+        (out,), stats = spec.generate([prompt], 32, Sampling())
+        assert out == plain_greedy(target, prompt, 32)
+        accepted += sum(i * h for i, h in enumerate(stats.histogram))
+    assert accepted > 0
+
+
 def test_greedy_stops_at_eos_inside_an_accepted_block_and_at_max_new_tokens(target):
     prompt = PROMPTS[1]
     free = plain_greedy(target, prompt, 40)
@@ -368,7 +383,19 @@ def test_cli_ngram_end_to_end(smollm2_dir, smollm2, tmp_path):
     assert r.stdout == tok.decode([t for t in expected if t not in stop]) + "\n"
 
 
-@pytest.mark.parametrize("case", ["other tokenizer", "both proposers", "batch", "k below 1"])
+def test_cli_bfloat16_draft_gives_the_plain_output(smollm2_dir, tmp_path):
+    mj = tmp_path / "m.json"
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--draft_checkpoint", smollm2_dir,
+                   "--draft_dtype", "bfloat16", "--speculate_k", "4", "--chat", "--prompt", GROUNDED,
+                   "--max_new_tokens", "16", "--no-compile", "--compare_plain", "--metrics_json", mj)
+    assert r.returncode == 0, r.stderr
+    assert "in bfloat16)" in r.stderr and "output identical" in r.stderr, r.stderr
+    (m,) = json.loads(mj.read_text())
+    assert m["identical_to_plain"] and m["draft_forwards"] > 0
+
+
+@pytest.mark.parametrize("case", ["other tokenizer", "both proposers", "batch", "k below 1", "draft dtype alone",
+                                  "bad draft dtype"])
 def test_cli_speculation_errors_are_one_line(case, smollm2_dir, tmp_path):
     import shutil
     other = save_checkpoint(random_model(vocab_size=49152), tmp_path / "other", tokenizer_from=smollm2_dir)
@@ -381,7 +408,9 @@ def test_cli_speculation_errors_are_one_line(case, smollm2_dir, tmp_path):
     rest = {"other tokenizer": ["--draft_checkpoint", other],
             "both proposers": ["--draft_checkpoint", same, "--ngram", "2"],
             "batch": ["--ngram", "2", "--batch_size", "2"],
-            "k below 1": ["--ngram", "2", "--speculate_k", "0"]}[case]
+            "k below 1": ["--ngram", "2", "--speculate_k", "0"],
+            "draft dtype alone": ["--ngram", "2", "--draft_dtype", "bfloat16"],
+            "bad draft dtype": ["--draft_checkpoint", same, "--draft_dtype", "int3"]}[case]
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--no-compile", "--max_new_tokens", "4", *rest)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
