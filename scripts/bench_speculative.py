@@ -26,9 +26,10 @@ Cases (--case, default: all that can run):
     python scripts/bench_speculative.py --json bench-out/speculative.json
 
 Protocol: batch 1, greedy, float32 (the draft too, unless --draft_dtype), --threads threads
-(default 2), chat template on, generation stops at EOS or --max_new_tokens. For each prompt, plain decoding, speculative decoding with a
-fixed k and with the adaptive k (generate.py's default, `speculative.next_k`) run one after the
-other on the same target model (same compiled one-token step); rounds repeat the whole set.
+(default 2), chat template on, generation stops at EOS or --max_new_tokens. For each prompt,
+plain decoding, speculative decoding with a fixed k and with the adaptive k (generate.py's
+default, `speculative.next_k`) run one after the other on the same target model (same compiled
+one-token step); rounds repeat the whole set.
 Each engine is warmed up (compiled) before timing. The figures: decode tokens/s of
 each (tokens after the first / time after the first, as generate.py reports them), summed over
 prompts (total tokens / total time), their ratio, the tokens produced per target forward, the
@@ -48,7 +49,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 
-from generate import Engine, Sampling, load_model, warm_up  # noqa: E402
+from generate import DTYPES, Engine, Sampling, load_model, warm_up  # noqa: E402
 import speculative  # noqa: E402
 
 CKPT = REPO_ROOT / "checkpoints"
@@ -144,7 +145,8 @@ def run_case(name: str, a) -> dict:
         speculative.check_same_tokenizer(CKPT / c["target"], CKPT / c["draft"])
     tok = Tokenizer(CKPT / c["target"])
     target = load_model(CKPT / c["target"])
-    draft = load_model(CKPT / c["draft"], dtype=getattr(torch, a.draft_dtype)) if c["draft"] else None
+    draft_dtype = DTYPES[a.draft_dtype]
+    draft = load_model(CKPT / c["draft"], dtype=draft_dtype) if c["draft"] else None
     stop = sorted(set(target.args.eos_token_ids) | set(tok.eos_ids))
     prompts = c["prompts"][:2] if a.quick else c["prompts"]
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_bos=False) for p in prompts]
@@ -184,8 +186,10 @@ def run_case(name: str, a) -> dict:
                             + ("" if x["identical"] else "  OUTPUT DIFFERS")
                             for mode, x in ((mode, run[mode]) for mode in modes)))
     plain_tps = sum(x["plain_tokens"] for x in runs) / sum(x["plain_s"] for x in runs)
-    label = c["draft"] + ("" if a.draft_dtype == "float32" else f" ({a.draft_dtype})") if c["draft"] else None
-    res = dict(case=name, target=c["target"], draft=label or f"ngram {c['ngram']}", k=k, prompts=len(ids),
+    proposer = c["draft"] or f"ngram {c['ngram']}"
+    if c["draft"] and a.draft_dtype != "float32":
+        proposer += f" ({a.draft_dtype})"
+    res = dict(case=name, target=c["target"], draft=proposer, k=k, prompts=len(ids),
                rounds=a.rounds, plain_tokens_per_s=plain_tps, goal=c["goal"], runs=runs)
     for mode in modes:
         xs = [x[mode] for x in runs]
