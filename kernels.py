@@ -85,8 +85,11 @@ void block(const float* x, int64_t K, const L& w, float* y, int64_t N) {
     for (int r = 0; r < R; ++r) raw[r] = w.fetch(r, k);
     // the hardware prefetcher does not follow R interleaved rows that are short: ask for the
     // same columns PREFETCH_ROWS rows ahead (3 ms -> 1.1 ms for SmolLM2's head when it was read
-    // by this loop as int8). Prefetches never fault.
-    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w.at(r + PREFETCH_ROWS, k)), _MM_HINT_T0);
+    // by this loop as int8). Into L2 only (T1): brought into L1 (T0), 16 rows ahead is 36 to
+    // 98 KiB of weights, more than L1 holds, and it evicted the tokens' activations that every
+    // row reuses; on the Zen 4 machine a 5-token verify of SmolLM2 went from 33 to 23 ms.
+    // Prefetches never fault.
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w.at(r + PREFETCH_ROWS, k)), _MM_HINT_T1);
     // token outer, row inner, so each x vector is loaded once for the R rows (in the other
     // order GCC folds the load into every multiply-add, R loads per vector, and the loop is
     // bound by the load ports; 9 tokens over SmolLM2: 36.5 -> 31.4 ms)
@@ -134,13 +137,11 @@ at::Tensor run(const at::Tensor& x, const L& w, int64_t N) {
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // one token: 4 rows at a time, so 4 independent chains hide the multiply-add latency.
-  // 2 to 4 tokens: one row at a time, a single sequential stream that the hardware prefetcher
-  // follows (memory-bound there: SmolLM2's 151 products at 2 tokens took 23 instead of 32 ms
-  // with two interleaved rows on the Zen 4 machine); 5 or more: two rows, each x vector loaded
-  // once for both (compute-bound there: 9 tokens 36 against 44 ms with one row). Which rows
-  // share a loop does not change any sum's order, so the results are the same either way.
+  // 2 or more: two rows, each x vector loaded once for both. (One row at a time was faster at
+  // 2 to 4 tokens only while the prefetches above went into L1.) Which rows share a loop does
+  // not change any sum's order, so the results are the same either way.
   constexpr int R1 = 4;
-  int R = T == 1 ? R1 : T <= 4 ? 1 : 2;
+  int R = T == 1 ? R1 : 2;
   at::parallel_for(0, N / R, 16, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       if (T == 1) block<R1, 1>(xp, K, w.rows(i * R1), yp + i * R1, N);
