@@ -86,7 +86,7 @@ void block(const float* x, int64_t K, const L& w, float* y, int64_t N) {
     // the hardware prefetcher does not follow R interleaved rows that are short: ask for the
     // same columns PREFETCH_ROWS rows ahead (3 ms -> 1.1 ms for SmolLM2's head when it was read
     // by this loop as int8). Into L2 only (T1): brought into L1 (T0), 16 rows ahead is 36 to
-    // 98 KiB of weights, more than L1 holds, and it evicted the tokens' activations that every
+    // 96 KiB of weights, more than L1 holds, and it evicted the tokens' activations that every
     // row reuses; on the Zen 4 machine a 5-token verify of SmolLM2 went from 33 to 23 ms.
     // Prefetches never fault.
     for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w.at(r + PREFETCH_ROWS, k)), _MM_HINT_T1);
