@@ -145,7 +145,6 @@ at::Tensor run(const at::Tensor& x, const L& w, int64_t N) {
   at::parallel_for(0, N / R, 16, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       if (T == 1) block<R1, 1>(xp, K, w.rows(i * R1), yp + i * R1, N);
-      else if (R == 1) rows<1>(xp, T, K, w.rows(i), yp + i, N);
       else rows<2>(xp, T, K, w.rows(i * 2), yp + i * 2, N);
     }
   });

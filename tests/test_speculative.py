@@ -1,6 +1,7 @@
 """speculative.py: greedy output identical to the target's, the sampled distribution equal to the
 target's (and a test that a wrong resampling step is caught), KV cache rollback (full and ring
 caches), EOS and max_new_tokens inside an accepted block, compile, chat, and the CLI."""
+import copy
 import json
 
 import pytest
@@ -105,7 +106,6 @@ def test_quantized_draft_is_token_identical(target, mode, tmp_path):
 def test_bfloat16_draft_for_a_float32_target_is_token_identical(target):
     # generate.py --draft_dtype bfloat16: the draft's own rounding changes what it proposes, never
     # what the float32 target keeps
-    import copy
     draft = copy.deepcopy(target).to(torch.bfloat16)
     accepted = 0
     for prompt in PROMPTS:
