@@ -22,7 +22,7 @@ Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. 
 - sampling: Leviathan et al. 2023 (Algorithm 1) / Chen et al. 2023: accept d_i with probability
   min(1, p(d_i) / q(d_i)); on rejection sample from norm(max(p - q, 0)); when all are accepted,
   sample a bonus token from p. p and q are the processed distributions (temperature, top-k,
-  top-p: `generate.logits_to_probs`) of target and draft. An n-gram proposal is a point mass
+  top-p: `engine.logits_to_probs`) of target and draft. An n-gram proposal is a point mass
   (q = one-hot): accept with probability p(d), on rejection sample from p with d removed.
 
 How many to propose (`--adaptive_k`, on by default; `next_k`): start at 2, double after a block
@@ -48,34 +48,30 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from generate import (Engine, Sampling, Stats, UserError, common_prefix, compile_options, log,
-                      logits_to_probs)
+from engine import (ONE_SEQUENCE, Engine, Generator, Sampling, Stats, check_fits, compile_options,
+                    decode_metrics, guards_skipped, log, logits_to_probs, reusable_prefix, sample_probs)
+from errors import UserError
 from model import RingKVCache, Transformer, param_bytes
 
 
 # ---------------------------------------------------------------- the compiled pieces
 
-def sample_probs(probs: Tensor) -> Tensor:
-    """(B, V) probabilities -> (B, 1) ids; argmax(p / Exp(1)) draws from p without a host sync."""
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1, keepdim=True)
-
-
-def verify(model: Transformer, tokens: Tensor, input_pos: Tensor, s: Sampling, kv_len: int) -> Tensor:
+def verify(model: Transformer, tokens: Tensor, input_pos: Tensor, sampling: Sampling, kv_len: int) -> Tensor:
     """The target over [last token, d_1 .. d_m] (1, m + 1): its greedy ids (m + 1,), or its
     processed distributions (m + 1, V) when sampling. Row i predicts the token after d_i.
     kv_len: the cache slots in use, so attention skips the empty rest of the cache."""
     logits = model(tokens, input_pos, kv_len=kv_len)[0]  # (m + 1, V)
-    if s.temperature == 0:
+    if sampling.temperature == 0:
         return logits.argmax(-1)
-    return logits_to_probs(logits, s)
+    return logits_to_probs(logits, sampling)
 
 
-def draft_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, s: Sampling):
+def draft_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, sampling: Sampling):
     """One draft decode step: (next id (1, 1), its distribution q (1, V), or None when greedy)."""
     logits = model(cur, input_pos)[:, -1]  # (1, V)
-    if s.temperature == 0:
+    if sampling.temperature == 0:
         return logits.argmax(-1, keepdim=True), None
-    q = logits_to_probs(logits, s)
+    q = logits_to_probs(logits, sampling)
     return sample_probs(q), q
 
 
@@ -138,7 +134,33 @@ class RingSnapshot:
 
 # ---------------------------------------------------------------- proposers
 
-class NgramProposer:
+class Proposer:
+    """What SpeculativeEngine asks of a proposer. Each generate call: start(context) once, then
+    per round propose(context, k) and accepted(n). context is every token so far, by position;
+    its last token has not been through the target yet."""
+
+    name: str = "proposer"
+    model: Optional[Transformer] = None  # a proposer that runs a model names it (its bytes count as read)
+    forwards: int = 0  # model forwards so far
+
+    def setup(self, max_seq_length: int):
+        """Allocate what the proposer keeps per position (a draft's KV cache)."""
+
+    def warm_up(self, sampling: Sampling):
+        """Run any compiled graph once before timing."""
+
+    def start(self, context: list, sampling: Sampling):
+        """A new generate call over `context`."""
+
+    def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
+        """Up to k proposed ids, and their distributions q (m, V), or None for point masses or greedy."""
+        raise NotImplementedError
+
+    def accepted(self, n: int):
+        """The target kept the first n proposals of the last round."""
+
+
+class NgramProposer(Proposer):
     """Prompt lookup: propose what followed the most recent earlier occurrence of the last n tokens
     (n = max_n, then shorter, down to min_n). An index from each n-gram to where its most recent
     occurrence's continuation starts is kept up to date as the context grows."""
@@ -149,16 +171,9 @@ class NgramProposer:
         if not 1 <= min_n <= max_n:
             raise UserError(f"n-gram sizes must satisfy 1 <= min_n <= max_n (got {min_n}, {max_n})")
         self.max_n, self.min_n = max_n, min_n
-        self.forwards = 0  # no model
         self.start([])
 
-    def setup(self, max_seq_length: int):
-        pass
-
-    def warm_up(self, s: Sampling):
-        pass
-
-    def start(self, context: list, s: Optional[Sampling] = None):
+    def start(self, context: list, sampling: Optional[Sampling] = None):
         self.index = {n: {} for n in range(self.min_n, self.max_n + 1)}  # n-gram -> continuation start
         self.indexed = 0
 
@@ -169,24 +184,21 @@ class NgramProposer:
                     self.index[n][tuple(context[j - n:j])] = j
         self.indexed = len(context)
 
-    def propose(self, context: list, k: int, s: Sampling) -> tuple:
+    def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
         """Up to k proposed ids (none when nothing matches) and q = None (a point mass)."""
         self._extend_index(context)
-        L = len(context)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            j = self.index[n].get(tuple(context[L - n:]))
-            if j is not None:
+        length = len(context)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = self.index[n].get(tuple(context[length - n:]))
+            if start is not None:
                 out = []
                 for i in range(k):  # past the end of the context, copy what we proposed (LZ77-style)
-                    out.append(context[j + i] if j + i < L else out[j + i - L])
+                    out.append(context[start + i] if start + i < length else out[start + i - length])
                 return out, None
         return [], None
 
-    def accepted(self, n: int):
-        pass
 
-
-class DraftProposer:
+class DraftProposer(Proposer):
     """A draft model with its own KV cache and compiled one-token step. `fed` lists the tokens
     whose keys and values are in its cache, by position."""
 
@@ -200,34 +212,29 @@ class DraftProposer:
             self.step = torch.compile(draft_one_token, fullgraph=True,
                                       **compile_options(self.device, compile_mode))
         self.fed: list = []
-        self.forwards = 0
         self.ring = None
 
     def setup(self, max_seq_length: int):
-        m = self.model
-        if m.max_batch_size != 1 or m.max_seq_length != max_seq_length:
-            m.setup_caches(1, max_seq_length)
+        if self.model.max_batch_size != 1 or self.model.max_seq_length != max_seq_length:
+            self.model.setup_caches(1, max_seq_length)
             self.fed = []
-        self.ring = RingSnapshot(m)
+        self.ring = RingSnapshot(self.model)
 
-    def _one(self, token, pos: int, s: Sampling):
+    def _one(self, token, pos: int, sampling: Sampling):
         cur = token if isinstance(token, Tensor) else torch.tensor([[token]], device=self.device)
         self.forwards += 1
         # clone: under CUDA graphs the next replay overwrites the previous step's outputs
-        tok, q = self.step(self.model, cur, torch.tensor([pos], device=self.device), s)
+        tok, q = self.step(self.model, cur, torch.tensor([pos], device=self.device), sampling)
         return tok.clone(), (None if q is None else q.clone())
 
-    def warm_up(self, s: Sampling):
+    def warm_up(self, sampling: Sampling):
         for _ in range(2):  # the compiled graph runs from the second call on
-            self._one(0, 0, s)
+            self._one(0, 0, sampling)
         self.fed = []  # slot 0 now holds garbage
 
-    def start(self, context: list, s: Sampling):
+    def start(self, context: list, sampling: Sampling):
         """Prefill the draft with context[:-1], reusing what its cache already holds (chat turns)."""
-        keep = min(common_prefix(self.fed, context), len(context) - 1)
-        window = self.model.ring_window
-        if window and keep < len(self.fed) and len(self.fed) > window:
-            keep = 0  # a ring cache cannot rewind past its window: prefill again
+        keep = reusable_prefix(self.fed, context, self.model.ring_window)
         del self.fed[keep:]
         self.ring = RingSnapshot(self.model)  # the caches may have been reallocated since the last call
         chunk = context[keep:-1]
@@ -237,27 +244,27 @@ class DraftProposer:
                        last_logits_only=True, kv_len=len(context) - 1)
             self.fed.extend(chunk)
 
-    def propose(self, context: list, k: int, s: Sampling) -> tuple:
+    def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
         """k drafted ids and their distributions q (k, V) (None when greedy)."""
         # catch up on what the draft has not seen: the target's last token, and after a fully
         # accepted block also the last proposal, which the draft produced but never fed back
-        for t in context[len(self.fed):]:
-            tok, q = self._one(t, len(self.fed), s)
-            self.fed.append(t)
-        self.base = len(self.fed)
-        self.ring.save(self.base, self.base + k - 1)
+        for token in context[len(self.fed):]:
+            tok, q = self._one(token, len(self.fed), sampling)
+            self.fed.append(token)
+        self.first_draft_slot = len(self.fed)
+        self.ring.save(self.first_draft_slot, self.first_draft_slot + k - 1)
         toks, qs = [tok], [q]
         for i in range(k - 1):
-            tok, q = self._one(tok, self.base + i, s)
+            tok, q = self._one(tok, self.first_draft_slot + i, sampling)
             toks.append(tok)
             qs.append(q)
         drafts = torch.cat(toks).view(-1).tolist()
         self.fed.extend(drafts[:-1])  # the last proposal was not fed
-        return drafts, (None if s.temperature == 0 else torch.cat(qs))
+        return drafts, (None if sampling.temperature == 0 else torch.cat(qs))
 
     def accepted(self, n: int):
         """n of the last proposals were kept: forget the rest (and undo them in a ring cache)."""
-        del self.fed[self.base + n:]
+        del self.fed[self.first_draft_slot + n:]
         self.ring.restore(len(self.fed))
 
 
@@ -271,9 +278,7 @@ def next_k(k: int, accepted: int, proposed: int, k_max: int) -> int:
     block accepted whole, twice as many (up to k_max); after a rejection, one more than were
     accepted, at least ADAPTIVE_MIN_K. Proposals tend to come in runs: a proposer that is
     copying a passage keeps being right, one that guesses keeps being wrong, and a wrong guess
-    is cheaper to check when it is short. On scripts/bench_speculative.py's n-gram prompts,
-    replaying the recorded greedy outputs with verify costs measured per length, this beat
-    every fixed k and the simpler "k_max after a full block, else 3"."""
+    is cheaper to check when it is short."""
     if accepted == proposed:
         return min(k_max, 2 * k)
     return min(k_max, max(ADAPTIVE_MIN_K, accepted + 1))
@@ -291,82 +296,79 @@ class SpecStats(Stats):
     proposed: int = 0  # proposals checked, over all verify forwards
 
 
-class SpeculativeEngine:
+class SpeculativeEngine(Generator):
     """An `Engine` (the target, its prefill and compiled one-token step) plus a proposer and a
-    compiled (k + 1)-token verify forward. Same `generate` and `setup` as `Engine`, so `Chat`
-    works with it unchanged."""
+    compiled verify forward over up to k + 1 positions. The same interface as `Engine`, so the
+    command line and `Chat` drive it unchanged."""
 
-    def __init__(self, engine: Engine, proposer, k: int, compile: bool = False, compile_mode: str = "default",
-                 adaptive: bool = True):
+    def __init__(self, engine: Engine, proposer: Proposer, k: int, compile: bool = False,
+                 compile_mode: str = "default", adaptive: bool = True):
         if k < 1:
             raise UserError("--speculate_k must be at least 1")
-        self.engine, self.proposer, self.k = engine, proposer, k
-        self.adaptive = adaptive
+        draft = proposer.model
+        if draft is not None and draft.args.vocab_size != engine.model.args.vocab_size:
+            raise UserError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
+                            f"({engine.model.args.vocab_size})")
+        self.engine, self.proposer, self.k, self.adaptive = engine, proposer, k, adaptive
         self.model, self.device = engine.model, engine.device
         self.verify, self.compiled = verify, compile
         if compile:  # dynamic: one graph for every number of proposals and every context length
-            # on CPU with a C++ wrapper around the graph's ~300 kernel calls (half of them
-            # kernels.py's, outside inductor's code): a 4-token SmolLM2 verify took 32 ms
-            # instead of 40 (one-off profile)
-            options = compile_options(self.device, compile_mode)
-            self.verify = torch.compile(verify, fullgraph=True, dynamic=True, **options)
-        self.guards_checked, self.step_guards_checked, self.skip_guards = False, False, True
-        self.k_now = k  # this round's proposals at most: k, or next_k's choice when adaptive
+            self.verify = torch.compile(verify, fullgraph=True, dynamic=True,
+                                        **compile_options(self.device, compile_mode))
+        self.verify_guards_checked = self.step_guards_checked = False
+        self.k_round = k  # this round's proposals at most: k, or next_k's choice when adaptive
         self.tokens: list = []  # the target's context: tokens by cache position (the last one not fed yet)
         self.ring = None
 
     def setup(self, batch_size: int, max_seq_length: int):
         if batch_size != 1:
-            raise UserError("speculative decoding runs one sequence at a time: use a single prompt "
-                            "and --batch_size 1")
+            raise UserError(ONE_SEQUENCE)
         self.engine.setup(1, max_seq_length)
         self.proposer.setup(max_seq_length)
+        self.forget_cache()
+
+    def forget_cache(self):
+        """The target's cache no longer holds self.tokens (another engine wrote it)."""
         self.tokens = []
 
-    def warm_up(self, prompts: list, s: Sampling):
+    def warm_up(self, prompts: list, sampling: Sampling):
         """Run every compiled graph (verify, the one-token step, the draft's step) before timing."""
         if not self.compiled:
             return
         log("compiling (about a minute the first time, cached on disk afterwards)...")
-        t0 = time.perf_counter()
-        dev, k = self.device, self.k
+        start = time.perf_counter()
+        device = self.device
         with torch.inference_mode():
-            for T, pos in ((k + 1, 3), (2, 7)):  # two lengths: the second call runs the dynamic graph
-                self.run_verify(torch.zeros(1, T, dtype=torch.long, device=dev), pos, s)
-                self.engine.decode_one_token(self.model, torch.zeros(1, 1, dtype=torch.long, device=dev),
-                                             torch.tensor([0], device=dev), torch.zeros(1, dtype=torch.long, device=dev), s)
-            self.proposer.warm_up(s)
-        self.tokens = []  # the caches now hold garbage at the first positions
-        log(f"compiled in {time.perf_counter() - t0:.1f} s")
-
-    def speculation_metrics(self, stats: "SpecStats") -> dict:
-        return speculation_metrics(stats, self)
+            no_pad = torch.zeros(1, dtype=torch.long, device=device)
+            for length, pos in ((self.k + 1, 3), (2, 7)):  # two lengths: the second call runs the dynamic graph
+                self.run_verify(torch.zeros(1, length, dtype=torch.long, device=device), pos, sampling)
+                self.engine.decode_one_token(self.model, torch.zeros(1, 1, dtype=torch.long, device=device),
+                                             torch.tensor([0], device=device), no_pad, sampling)
+            self.proposer.warm_up(sampling)
+        self.forget_cache()  # the caches now hold garbage at the first positions
+        log(f"compiled in {time.perf_counter() - start:.1f} s")
 
     @torch.inference_mode()
-    def generate(self, prompts: list, max_new_tokens: int, s: Sampling, stop_ids=(), start_pos: int = 0,
+    def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), start_pos: int = 0,
                  on_tokens: Optional[Callable] = None) -> tuple:
         """As `Engine.generate`, for one prompt; returns ([new ids], SpecStats)."""
         if len(prompts) != 1:
-            raise UserError("speculative decoding runs one sequence at a time: use a single prompt "
-                            "and --batch_size 1")
-        prompt, dev = list(prompts[0]), self.device
-        T, S = len(prompt), self.model.max_seq_length
-        if start_pos + T + max_new_tokens > S:
-            raise UserError(f"prompt ({start_pos + T} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                            f"the KV cache (max_seq_length {S})")
+            raise UserError(ONE_SEQUENCE)
+        prompt, device = list(prompts[0]), self.device
+        check_fits(start_pos, len(prompt), max_new_tokens, self.model.max_seq_length)
         if start_pos > len(self.tokens):
             raise ValueError(f"start_pos {start_pos} is past the {len(self.tokens)} cached tokens")
-        for m in (self.model, getattr(self.proposer, "model", None)):
-            if m is not None and m.ring_window is not None and self.k >= m.ring_window:
+        for model in (self.model, self.proposer.model):
+            if model is not None and model.ring_window is not None and self.k >= model.ring_window:
                 raise UserError(f"--speculate_k {self.k} must be smaller than the sliding window "
-                                f"({m.ring_window}): a ring KV cache cannot undo more positions")
+                                f"({model.ring_window}): a ring KV cache cannot undo more positions")
         self.ring = RingSnapshot(self.model)  # the caches may have been reallocated since the last call
         context = self.tokens = self.tokens[:start_pos] + prompt
-        stats = SpecStats(prompt_tokens=T, new_tokens=0, ttft_s=0.0, decode_s=0.0, token_times=[],
+        stats = SpecStats(prompt_tokens=len(prompt), new_tokens=0, ttft_s=0.0, decode_s=0.0, token_times=[],
                           k=self.k, histogram=[0] * (self.k + 1))
-        draft_forwards0 = self.proposer.forwards
-        self.k_now = min(ADAPTIVE_MIN_K, self.k) if self.adaptive else self.k
-        self.guards_checked = self.step_guards_checked = False
+        draft_forwards_before = self.proposer.forwards
+        self.k_round = min(ADAPTIVE_MIN_K, self.k) if self.adaptive else self.k
+        self.verify_guards_checked = self.step_guards_checked = False
         stop, out = set(stop_ids), []
 
         def emit(new: list):
@@ -375,83 +377,80 @@ class SpeculativeEngine:
             context.extend(new)
             stats.token_times.extend([now] * len(new))  # a block of tokens arrives at once
             if on_tokens:
-                for t in new:
-                    on_tokens([t])
+                for token in new:
+                    on_tokens([token])
 
-        t0 = time.perf_counter()
-        cur = self.engine.prefill(self.model, torch.tensor([prompt], device=dev),
-                                  torch.arange(start_pos, start_pos + T, device=dev),
-                                  torch.zeros(1, dtype=torch.long, device=dev), s, start_pos + T)
+        start = time.perf_counter()
+        end = start_pos + len(prompt)
+        cur = self.engine.prefill(self.model, torch.tensor([prompt], device=device),
+                                  torch.arange(start_pos, end, device=device),
+                                  torch.zeros(1, dtype=torch.long, device=device), sampling, end)
         emit([cur.item()])
-        stats.ttft_s = stats.token_times[0] - t0
+        stats.ttft_s = stats.token_times[0] - start
         if out[-1] not in stop and max_new_tokens > 1:
-            self.proposer.start(context, s)
-        pos = start_pos + T  # the cache slot of context[-1], which the target has not seen yet
+            self.proposer.start(context, sampling)
+        pos = end  # the cache slot of context[-1], which the target has not seen yet
         while out[-1] not in stop and len(out) < max_new_tokens:
-            new = self.speculative_decode(context, pos, s, max_new_tokens - len(out), stop, stats)
+            new = self.speculative_decode(context, pos, sampling, max_new_tokens - len(out), stop, stats)
             pos += len(new)
             emit(new)
         stats.new_tokens = len(out)
         stats.decode_s = stats.token_times[-1] - stats.token_times[0]
-        stats.draft_forwards = self.proposer.forwards - draft_forwards0
+        stats.draft_forwards = self.proposer.forwards - draft_forwards_before
         return [out], stats
 
-    def run_verify(self, ids: Tensor, pos: int, s: Sampling) -> Tensor:
+    def run_verify(self, ids: Tensor, pos: int, sampling: Sampling) -> Tensor:
         """The target over ids (1, m + 1), from cache slot pos. Compiled, one graph serves every
         m and every context length: a verify of fewer tokens costs less (each weight is read
         once either way, but the arithmetic grows with m), which is what lets `next_k` try short
-        proposals cheaply; and attention covers the slots in use, not the whole cache (for 9
-        tokens it is as much arithmetic per cached position as 27 decode steps: SmolLM2 has 3
-        query heads per key head)."""
-        T = ids.shape[1]
+        proposals cheaply; and attention covers the slots in use, not the whole cache."""
+        length = ids.shape[1]
         # under CUDA graphs every new shape is recorded anew: there attention keeps covering the
         # whole cache, so that only the block length varies (at most k graphs)
-        kv_len = pos + T if ids.device.type == "cpu" else self.model.max_seq_length
-        # guards are checked on a generate call's first verify only (as generate.py does for
-        # the one-token step): ~1.3 ms a call, and nothing they check changes within a call
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.guards_checked):
-            out = self.verify(self.model, ids, torch.arange(pos, pos + T, device=ids.device), s, kv_len)
-        self.guards_checked = self.compiled and self.skip_guards
+        kv_len = pos + length if ids.device.type == "cpu" else self.model.max_seq_length
+        with guards_skipped(self.verify_guards_checked):  # checked on a generate call's first verify only
+            out = self.verify(self.model, ids, torch.arange(pos, pos + length, device=ids.device), sampling, kv_len)
+        self.verify_guards_checked = self.compiled
         return out
 
-    def speculative_decode(self, context: list, pos: int, s: Sampling, budget: int, stop: set,
+    def speculative_decode(self, context: list, pos: int, sampling: Sampling, budget: int, stop: set,
                            stats: SpecStats) -> list:
         """One round: propose, verify in one target forward, accept. Returns the new tokens
         (accepted proposals + the target's own token), cut after a stop token and to `budget`."""
-        dev, k = self.device, self.k_now
+        device, k = self.device, self.k_round
         room = self.model.max_seq_length - pos - 1  # slots after the last token
-        drafts, q = self.proposer.propose(context, min(k, budget - 1), s) if budget > 1 and room >= k else ([], None)
+        drafts, q = self.proposer.propose(context, min(k, budget - 1), sampling) \
+            if budget > 1 and room >= k else ([], None)
         stats.target_forwards += 1
         if not drafts:  # nothing to check: a plain decoding step
             stats.plain_steps += 1
-            # guards checked on the call's first plain step only, as for the verify (~1 ms a step)
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=self.step_guards_checked):
-                cur = self.engine.decode_one_token(self.model, torch.tensor([[context[-1]]], device=dev),
-                                                   torch.tensor([pos], device=dev),
-                                                   torch.zeros(1, dtype=torch.long, device=dev), s)
-            self.step_guards_checked = self.compiled and self.skip_guards
+            with guards_skipped(self.step_guards_checked):  # checked on a call's first plain step only
+                cur = self.engine.decode_one_token(self.model, torch.tensor([[context[-1]]], device=device),
+                                                   torch.tensor([pos], device=device),
+                                                   torch.zeros(1, dtype=torch.long, device=device), sampling)
+            self.step_guards_checked = self.compiled
             return [cur.item()]
-        m = len(drafts)
-        self.ring.save(pos + 1, pos + m + 1)
-        target = self.run_verify(torch.tensor([[context[-1]] + drafts], device=dev), pos, s)
-        if s.temperature == 0:
+        proposed = len(drafts)
+        self.ring.save(pos + 1, pos + proposed + 1)
+        target = self.run_verify(torch.tensor([[context[-1]] + drafts], device=device), pos, sampling)
+        if sampling.temperature == 0:
             target = target.tolist()
             n = 0
-            while n < m and drafts[n] == target[n]:
+            while n < proposed and drafts[n] == target[n]:
                 n += 1
-            nxt = target[n]
+            next_token = target[n]
         else:
             if q is None:  # an n-gram proposal is a point mass
-                q = torch.zeros(m, target.shape[-1], device=dev).scatter_(
-                    1, torch.tensor(drafts, device=dev).view(-1, 1), 1.0)
-            n, nxt = accept_sampled(target, q, drafts)
+                q = torch.zeros(proposed, target.shape[-1], device=device).scatter_(
+                    1, torch.tensor(drafts, device=device).view(-1, 1), 1.0)
+            n, next_token = accept_sampled(target, q, drafts)
         stats.histogram[n] += 1
-        stats.proposed += m
+        stats.proposed += proposed
         if self.adaptive:
-            self.k_now = next_k(k, n, m, self.k)
-        new = drafts[:n] + [nxt]
-        for i, t in enumerate(new):  # stop inside an accepted block: what follows was never generated
-            if t in stop:
+            self.k_round = next_k(k, n, proposed, self.k)
+        new = drafts[:n] + [next_token]
+        for i, token in enumerate(new):  # stop inside an accepted block: what follows was never generated
+            if token in stop:
                 new = new[:i + 1]
                 break
         new = new[:budget]
@@ -460,93 +459,51 @@ class SpeculativeEngine:
         self.proposer.accepted(len(new) - 1)
         return new
 
+    def metrics(self, stats: SpecStats) -> dict:
+        """Engine's decode metrics plus the acceptance figures; bandwidth counts the target's
+        weights once per forward and the draft's once per draft step."""
+        metrics = decode_metrics(stats, self.model, self.device)
+        verifies = sum(stats.histogram)
+        forwards, decoded = stats.target_forwards, stats.new_tokens - 1  # the first token comes from prefill
+        metrics.update({
+            "proposer": self.proposer.name,
+            "speculate_k": stats.k,
+            "target_forwards": forwards,
+            "tokens_per_target_forward": decoded / forwards if forwards else 0.0,
+            "mean_accepted_proposals": sum(i * h for i, h in enumerate(stats.histogram)) / verifies if verifies else 0.0,
+            "acceptance_histogram": stats.histogram,
+            "plain_steps": stats.plain_steps,
+            "draft_forwards": stats.draft_forwards,
+        })
+        if stats.decode_s > 0:
+            read = param_bytes(self.model) * forwards
+            if self.proposer.model is not None:
+                read += param_bytes(self.proposer.model) * stats.draft_forwards
+            metrics["bandwidth_gb_s"] = read / stats.decode_s / 1e9
+        return metrics
 
-# ---------------------------------------------------------------- setup and reporting
+
+# ---------------------------------------------------------------- checks
 
 def tokenizer_fingerprint(checkpoint_dir) -> tuple:
     """What decides token ids: tokenizer.json's model (vocab, merges) and added tokens, or the
     bytes of tokenizer.model. Two checkpoints can share a draft only when these are equal."""
-    d = Path(checkpoint_dir)
-    if (d / "tokenizer.json").is_file():
-        j = json.loads((d / "tokenizer.json").read_text())
-        added = sorted((t.get("id"), t.get("content")) for t in j.get("added_tokens") or [])
-        return "tokenizer.json", json.dumps(j.get("model"), sort_keys=True), added
-    if (d / "tokenizer.model").is_file():
-        return "tokenizer.model", (d / "tokenizer.model").read_bytes()
+    directory = Path(checkpoint_dir)
+    if (directory / "tokenizer.json").is_file():
+        spec = json.loads((directory / "tokenizer.json").read_text())
+        added = sorted((t.get("id"), t.get("content")) for t in spec.get("added_tokens") or [])
+        return "tokenizer.json", json.dumps(spec.get("model"), sort_keys=True), added
+    if (directory / "tokenizer.model").is_file():
+        return "tokenizer.model", (directory / "tokenizer.model").read_bytes()
     return None, None
 
 
 def check_same_tokenizer(target_dir, draft_dir):
     if not Path(draft_dir).is_dir():
         raise UserError(f"draft checkpoint directory {draft_dir} does not exist")
-    a, b = tokenizer_fingerprint(target_dir), tokenizer_fingerprint(draft_dir)
-    if b[0] is None:
+    target, draft = tokenizer_fingerprint(target_dir), tokenizer_fingerprint(draft_dir)
+    if draft[0] is None:
         raise UserError(f"draft checkpoint {draft_dir} has no tokenizer.json or tokenizer.model")
-    if a != b:
+    if target != draft:
         raise UserError(f"the draft {draft_dir} and the target {target_dir} have different tokenizers; "
                         "a draft must share the target's vocabulary")
-
-
-def build(engine: Engine, k: int, draft: Optional[Transformer] = None, ngram: Optional[int] = None,
-          compile: bool = False, compile_mode: str = "default", ngram_min: int = 1,
-          adaptive: bool = True) -> SpeculativeEngine:
-    """A SpeculativeEngine around `engine` with a draft model or an n-gram proposer (n-grams of
-    `ngram` tokens down to `ngram_min`)."""
-    if (draft is None) == (ngram is None):
-        raise UserError("give exactly one of --draft_checkpoint and --ngram")
-    if draft is not None:
-        if draft.args.vocab_size != engine.model.args.vocab_size:
-            raise UserError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
-                            f"({engine.model.args.vocab_size})")
-        proposer = DraftProposer(draft, compile=compile, compile_mode=compile_mode)
-    else:
-        proposer = NgramProposer(ngram, ngram_min)
-    return SpeculativeEngine(engine, proposer, k, compile=compile, compile_mode=compile_mode, adaptive=adaptive)
-
-
-def speculation_metrics(stats: SpecStats, spec: SpeculativeEngine) -> dict:
-    """Acceptance figures of one generate() call, to merge into generate.metrics()."""
-    verifies = sum(stats.histogram)
-    forwards, decoded = stats.target_forwards, stats.new_tokens - 1  # the first token comes from prefill
-    m = {
-        "proposer": spec.proposer.name,
-        "speculate_k": stats.k,
-        "target_forwards": forwards,
-        "tokens_per_target_forward": decoded / forwards if forwards else 0.0,
-        "mean_accepted_proposals": sum(i * h for i, h in enumerate(stats.histogram)) / verifies if verifies else 0.0,
-        "acceptance_histogram": stats.histogram,
-        "plain_steps": stats.plain_steps,
-        "draft_forwards": stats.draft_forwards,
-    }
-    if stats.decode_s > 0:  # weights read: the target's once per forward, the draft's once per step
-        read = param_bytes(spec.model) * forwards
-        if isinstance(spec.proposer, DraftProposer):
-            read += param_bytes(spec.proposer.model) * stats.draft_forwards
-        m["bandwidth_gb_s"] = read / stats.decode_s / 1e9
-    return m
-
-
-def compare_with_plain(spec: SpeculativeEngine, prompts: list, max_new_tokens: int, s: Sampling, stop_ids,
-                       m: dict, spec_outputs: list) -> dict:
-    """Decode the same prompt without speculation (the target's own Engine) and compare speeds
-    and, greedy, the outputs. m: the speculative run's metrics."""
-    from generate import metrics, warm_up
-    warm_up(spec.engine, prompts, s, min(3, max_new_tokens))
-    outs, stats = spec.engine.generate(prompts, max_new_tokens, s, stop_ids)
-    spec.tokens = []  # the target's cache now holds the plain run
-    tps = metrics(stats, spec.model, spec.device, 1)["decode_tokens_per_s"]
-    r = {"plain_decode_tokens_per_s": tps, "speedup": m["decode_tokens_per_s"] / tps if tps else 0.0}
-    if s.temperature == 0:
-        r["identical_to_plain"] = outs == spec_outputs
-    log(f"plain decoding {tps:.2f} tokens/s: speculation is {r['speedup']:.2f}x"
-        + ({True: ", output identical", False: ", OUTPUT DIFFERS"}[r["identical_to_plain"]]
-           if "identical_to_plain" in r else ""))
-    return r
-
-
-def print_speculation(m: dict):
-    log(f"speculation ({m['proposer']}, k={m['speculate_k']}): {m['tokens_per_target_forward']:.2f} tokens "
-        f"per target forward ({m['target_forwards']} forwards, {m['plain_steps']} without a proposal), "
-        f"{m['mean_accepted_proposals']:.2f} proposals accepted per verify")
-    log("acceptance histogram (accepted proposals: verify forwards): "
-        + ", ".join(f"{i}: {h}" for i, h in enumerate(m["acceptance_histogram"])))

@@ -1,6 +1,7 @@
 """speculative.py: greedy output identical to the target's, the sampled distribution equal to the
 target's (and a test that a wrong resampling step is caught), KV cache rollback (full and ring
 caches), EOS and max_new_tokens inside an accepted block, compile, chat, and the CLI."""
+import contextlib
 import copy
 import json
 
@@ -9,8 +10,9 @@ import torch
 
 import speculative
 from conftest import random_model, run_script, save_checkpoint
-from generate import Chat, Engine, Sampling, UserError, load_model, logits_to_probs
-from speculative import NgramProposer, SpeculativeEngine, build
+from engine import Chat, Engine, Sampling, load_model, logits_to_probs
+from errors import UserError
+from speculative import DraftProposer, NgramProposer, SpeculativeEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,9 +54,9 @@ def plain_greedy(model, prompt, n, stop_ids=(), max_seq_length=128):
 
 
 def spec_engine(target, k, draft=None, ngram=None, proposer=None, max_seq_length=128, compile=False, adaptive=True):
-    spec = SpeculativeEngine(Engine(target, compile=compile), proposer, k, compile=compile, adaptive=adaptive) \
-        if proposer else build(Engine(target, compile=compile), k, draft=draft, ngram=ngram, compile=compile,
-                               adaptive=adaptive)
+    if proposer is None:
+        proposer = DraftProposer(draft, compile=compile) if draft is not None else NgramProposer(ngram)
+    spec = SpeculativeEngine(Engine(target, compile=compile), proposer, k, compile=compile, adaptive=adaptive)
     spec.setup(1, max_seq_length)
     return spec
 
@@ -201,7 +203,7 @@ def test_ring_cache_refuses_k_not_below_the_window():
 
 
 def test_batch_larger_than_one_is_refused(target):
-    spec = build(Engine(target), 4, ngram=2)
+    spec = SpeculativeEngine(Engine(target), NgramProposer(2), 4)
     with pytest.raises(UserError, match="one sequence at a time"):
         spec.setup(2, 128)
     spec.setup(1, 128)
@@ -209,7 +211,7 @@ def test_batch_larger_than_one_is_refused(target):
         spec.generate([PROMPTS[0], PROMPTS[1]], 8, Sampling())
 
 
-def test_compiled_matches_eager(target):
+def test_compiled_matches_eager(target, monkeypatch):
     draft = noisy_copy(target, 0.05)
     prompt = PROMPTS[2]
     expected = plain_greedy(target, prompt, 40)
@@ -220,7 +222,7 @@ def test_compiled_matches_eager(target):
     spec.verify = lambda m, ids, *rest: lengths.append(ids.shape[1]) or verify(m, ids, *rest)
     # the verify graph is dynamic: every proposal count and context length runs the warmed-up graph
     # (guards checked on every call here, so that a call needing another graph would fail)
-    spec.skip_guards = False
+    monkeypatch.setattr(speculative, "guards_skipped", lambda skip: contextlib.nullcontext())
     with torch.compiler.set_stance("fail_on_recompile"):
         (out,), stats = spec.generate([prompt], 40, Sampling())
     assert out == expected
@@ -232,8 +234,7 @@ def test_compiled_matches_eager(target):
 
 
 def test_next_k_grows_after_full_blocks_and_shrinks_after_rejections():
-    from speculative import ADAPTIVE_MIN_K, next_k
-    assert ADAPTIVE_MIN_K == 2
+    from speculative import next_k
     assert next_k(2, 2, 2, 8) == 4 and next_k(3, 3, 3, 8) == 6 and next_k(6, 6, 6, 8) == 8 and next_k(8, 8, 8, 8) == 8
     assert next_k(8, 0, 8, 8) == 2 and next_k(8, 2, 8, 8) == 3 and next_k(8, 5, 8, 8) == 6 and next_k(8, 7, 8, 8) == 8
     assert next_k(2, 2, 2, 2) == 2 and next_k(2, 0, 2, 2) == 2 and next_k(1, 0, 1, 1) == 1  # never above k_max
@@ -346,7 +347,7 @@ def test_ngram_greedy_is_token_identical_on_smollm2(smollm2):
     spec = spec_engine(model, 8, ngram=3, max_seq_length=256)
     (out,), stats = spec.generate([ids], 40, Sampling(), tok.eos_ids)
     assert out == expected
-    m = spec.speculation_metrics(stats)
+    m = spec.metrics(stats)
     assert m["tokens_per_target_forward"] > 1.5, m  # the answer copies the passage: long accepted blocks
 
 

@@ -1,0 +1,157 @@
+"""A checkpoint directory: config.json (the `ModelArgs` fields), model.safetensors and the
+tokenizer files. Reading checks everything a later step would trip over; writing goes to a
+temporary directory that is renamed into place, so a failed write never leaves half a checkpoint.
+"""
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from errors import CheckpointError, ConfigError, one_line
+from model import ModelArgs, Transformer
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja")
+
+
+def require_dir(checkpoint_dir) -> Path:
+    ckpt = Path(checkpoint_dir)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt} does not exist (get one with `python download.py`)")
+    return ckpt
+
+
+def read_config(checkpoint_dir) -> ModelArgs:
+    """checkpoint_dir/config.json -> ModelArgs, or a one-line error naming what is wrong."""
+    ckpt = require_dir(checkpoint_dir)
+    try:
+        return ModelArgs.from_json(ckpt / CONFIG)
+    except (ValueError, TypeError) as e:  # model.py's ConfigError is a ValueError
+        raise ConfigError(f"{ckpt}/{CONFIG}: {e}") from None
+
+
+def expected_shapes(model: torch.nn.Module) -> dict:
+    """name -> shape of every tensor a checkpoint of `model` holds (a tied head is not stored)."""
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    if model.args.tie_word_embeddings:
+        shapes = {name: s for name, s in shapes.items() if not name.startswith("output.")}
+    return shapes
+
+
+def check_names(names, expected, where) -> None:
+    """The file's tensor names must be exactly the expected ones."""
+    names, expected = set(names), set(expected)
+    missing, unexpected = sorted(expected - names), sorted(names - expected)
+    if missing:
+        raise CheckpointError(f"{where} lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
+    if unexpected:
+        raise CheckpointError(f"{where} has {len(unexpected)} unexpected weights, e.g. {', '.join(unexpected[:3])}")
+
+
+def read_weights(checkpoint_dir, expected: dict, device, dtype: torch.dtype,
+                 keep_dtype: Callable[[str], bool] = lambda name: False,
+                 read: Optional[Callable] = None) -> dict:
+    """The weights of `expected` (name -> shape) from model.safetensors, on `device`. Float weights
+    take `dtype` unless keep_dtype(name); integer (quantized) weights keep theirs. read(file, name)
+    replaces the plain read (tensor parallelism reads one shard); the shapes are checked after it."""
+    from safetensors import SafetensorError, safe_open
+
+    weights = Path(checkpoint_dir) / WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{weights} not found")
+    state = {}
+    try:
+        with safe_open(weights, framework="pt") as f:  # memory-mapped: only what is read is loaded
+            check_names(f.keys(), expected, weights)
+            for name, shape in expected.items():
+                t = read(f, name) if read is not None else f.get_tensor(name)
+                if t.shape != shape:
+                    raise CheckpointError(f"{weights}: {name} has shape {tuple(t.shape)}, "
+                                          f"config.json implies {tuple(shape)}")
+                keep = not t.is_floating_point() or keep_dtype(name)
+                state[name] = t.to(device=device, dtype=t.dtype if keep else dtype)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{weights} is unreadable or truncated ({one_line(e)})") from None
+    return state
+
+
+def read_model(checkpoint_dir, dtype: torch.dtype = torch.float32) -> Transformer:
+    """The reference model of a float checkpoint, on CPU, with nothing installed (quantize.py's input)."""
+    args = read_config(checkpoint_dir)
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = read_weights(checkpoint_dir, expected_shapes(model), "cpu", dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def check_state(state: dict, args: ModelArgs) -> None:
+    """Names and shapes must be exactly those of Transformer(args), so that loading cannot surprise."""
+    with torch.device("meta"):
+        expected = expected_shapes(Transformer(args))
+    check_names(state, expected, "the converted checkpoint")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(state[name].shape)}, "
+                                  f"expected {tuple(shape)} from config.json")
+
+
+def write_json(path: Path, obj) -> None:
+    """Write JSON through a temporary file, so a reader never sees half of it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def write_checkpoint(out_dir, args: ModelArgs, state: dict, add_files: Optional[Callable[[Path], None]] = None,
+                     metadata: Optional[dict] = None) -> Path:
+    """config.json + model.safetensors (+ whatever add_files(dir) writes, e.g. the tokenizer) into
+    a temporary sibling directory, which then replaces out_dir. Returns out_dir."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir).resolve()
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as e:
+        raise CheckpointError(f"cannot write {out_dir}: {one_line(e)}") from None
+    old = tmp.with_name(tmp.name + ".old")
+    try:
+        (tmp / CONFIG).write_text(json.dumps(args.to_dict(), indent=2) + "\n")
+        tensors = {name: t.contiguous() for name, t in state.items()}
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", **(metadata or {})})
+        if add_files is not None:
+            add_files(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp and safetensors make private files; give the usual permissions
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~umask)
+        if out_dir.exists():
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+    except (OSError, ValueError, RuntimeError) as e:  # a full disk, a read-only directory
+        raise CheckpointError(f"cannot write {out_dir}: {one_line(e)}") from None
+    finally:
+        if old.exists() and not out_dir.exists():  # the swap failed halfway: put the old output back
+            old.rename(out_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def copy_files(src_dir, names=TOKENIZER_FILES) -> Callable[[Path], None]:
+    """An add_files for write_checkpoint: copy these files from src_dir where they exist."""
+    def add(dst: Path):
+        for name in names:
+            if (Path(src_dir) / name).is_file():
+                shutil.copy(Path(src_dir) / name, dst / name)
+    return add

@@ -1,0 +1,375 @@
+"""The library: load a checkpoint, then prefill the prompt and run a compiled one-token decode loop.
+
+    from engine import Engine, Sampling, load_model
+    model = load_model("checkpoints/smollm2-135m")
+    engine = Engine(model, compile=True)
+    engine.setup(batch_size=1, max_seq_length=256)
+    (ids,), stats = engine.generate([prompt_ids], max_new_tokens=50, sampling=Sampling())
+
+Data flows one way: checkpoint directory -> `load_model` -> `Transformer` -> `Engine` (prefill,
+then `decode_one_token` per step) -> token ids. `Chat` keeps a conversation's KV cache between
+turns. speculative.py's `SpeculativeEngine` has the same interface (`Generator`).
+"""
+import functools
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+import checkpoint
+import kernels
+import quantize
+from errors import UserError
+from model import Transformer, param_bytes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- loading
+
+@functools.cache  # once per process: load_model calls it for the target and the draft
+def keep_freed_memory() -> bool:
+    """Let glibc keep freed memory for reuse instead of returning it to the kernel: otherwise every
+    tensor above 128 KiB is a fresh mmap, and each prefill and verify pays page faults for new,
+    zeroed pages. Returns whether the allocator took the settings (False off glibc)."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+    # mmap only above 32 MiB (glibc's largest dynamic threshold); keep up to 1 GiB free at the top
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
+def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_kernels: bool = True) -> Transformer:
+    """checkpoint dir -> ModelArgs + weights -> Transformer on `device` in `dtype` (eval mode).
+    A quantized checkpoint (config.json names its scheme) gets quantize.py's layers; with `tp`
+    (tp.py) this process builds and reads only its shard of each weight; on CPU, kernels.py's
+    fast paths are installed unless fast_kernels is False (the reference model alone)."""
+    keep_freed_memory()
+    args = checkpoint.read_config(checkpoint_dir)
+    with torch.device("meta"):  # no random init: every weight comes from the file
+        model = Transformer(args)
+    if args.quantization:
+        quantize.use_quantized_layers(model, args.quantization)
+    if tp is not None:
+        tp.shard_modules(model)  # shrink the sharded layers to this rank's part
+    state = checkpoint.read_weights(checkpoint_dir, checkpoint.expected_shapes(model), device, dtype,
+                                    keep_dtype=quantize.keeps_dtype, read=tp.read if tp is not None else None)
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    if args.quantization:
+        quantize.prepare_for_device(model)  # ties scales, packs the weights for this device's kernel
+    if fast_kernels:
+        kernels.install(model)
+    return model.eval()
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device cuda is not available on this machine")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("device mps is not available on this machine")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"unsupported device {name!r} (try cpu or cuda)")
+    return device
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r} (choose {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+# ---------------------------------------------------------------- sampling
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+
+
+def logits_to_probs(logits: Tensor, sampling: Sampling) -> Tensor:
+    """(B, V) float logits -> (B, V) probabilities after temperature, top-k and top-p."""
+    logits = logits / max(sampling.temperature, 1e-5)
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
+        drop = (probs.cumsum(-1) - probs) >= sampling.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample_probs(probs: Tensor) -> Tensor:
+    """(B, V) probabilities -> (B, 1) ids: argmax(p / Exp(1)) draws from p (the exponential race),
+    with no multinomial and no host sync."""
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1, keepdim=True)
+
+
+def sample(logits: Tensor, sampling: Sampling) -> Tensor:
+    """(B, V) logits -> (B, 1) token ids, on device."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    return sample_probs(logits_to_probs(logits, sampling))
+
+
+# ---------------------------------------------------------------- the two phases
+
+def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, pad: Tensor, sampling: Sampling,
+            kv_len: Optional[int] = None) -> Tensor:
+    logits = model(tokens, input_pos, pad, last_logits_only=True, kv_len=kv_len)  # (B, 1, V)
+    return sample(logits[:, -1], sampling)
+
+
+def decode_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, pad: Tensor, sampling: Sampling) -> Tensor:
+    logits = model(cur, input_pos, pad)  # (B, 1, V)
+    return sample(logits[:, -1], sampling)
+
+
+def compile_options(device: torch.device, compile_mode: str) -> dict:
+    """torch.compile arguments for the decode step."""
+    if device.type == "cuda":  # CUDA graphs remove the per-kernel launch cost
+        return {"mode": "max-autotune" if compile_mode == "max" else "reduce-overhead"}
+    if compile_mode == "max":
+        # Freeze the weights into the graph so inductor can pre-pack them for its own C++ GEMM
+        # micro-kernels. Set globally: as per-call options freezing does not take effect.
+        # Frozen graphs are not cached on disk, so every run compiles.
+        import torch._inductor.config as inductor_config
+        inductor_config.freezing = True
+        inductor_config.max_autotune = True
+        inductor_config.max_autotune_gemm_backends = "CPP,ATEN"
+        return {}
+    # inductor's graph called from C++ rather than Python: a quantized step calls many kernels.py
+    # operators, and the Python wrapper's per-call overhead shows. Not under tensor parallelism:
+    # the C++ wrapper cannot call the functional collectives.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return {}
+    return {"options": {"cpp_wrapper": True}}
+
+
+def guards_skipped(skip: bool):
+    """Within one generate call a compiled step is called again and again with inputs of the same
+    shapes: once its guards have been checked, skipping them saves about a millisecond a call on CPU."""
+    return torch.compiler.set_stance(skip_guard_eval_unsafe=skip)
+
+
+def check_fits(start_pos: int, prompt_tokens: int, max_new_tokens: int, max_seq_length: int):
+    """The cache must hold the cached tokens, the prompt and every new token."""
+    if start_pos + prompt_tokens + max_new_tokens > max_seq_length:
+        raise UserError(f"prompt ({start_pos + prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+                        f"exceeds the KV cache (max_seq_length {max_seq_length})")
+
+
+ONE_SEQUENCE = "speculative decoding runs one sequence at a time: use a single prompt and --batch_size 1"
+
+
+def common_prefix(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def reusable_prefix(cached: list, ids: list, ring_window: Optional[int]) -> int:
+    """How many leading tokens of `ids` can keep their cached keys and values: the common prefix
+    with `cached`, leaving at least one token to feed. A ring cache cannot rewind: once it has
+    wrapped, going back before its end means starting over."""
+    keep = min(common_prefix(cached, ids), len(ids) - 1)
+    if ring_window and keep < len(cached) and len(cached) > ring_window:
+        return 0
+    return keep
+
+
+# ---------------------------------------------------------------- the engine
+
+@dataclass
+class Stats:
+    prompt_tokens: int
+    new_tokens: int
+    ttft_s: float
+    decode_s: float
+    token_times: list  # host time at which each decode step's tokens were ready
+    batch_size: int = 1
+
+
+class Generator(Protocol):
+    """What a command line or a server drives: `Engine`, and speculative.py's `SpeculativeEngine`."""
+    model: Transformer
+    device: torch.device
+
+    def setup(self, batch_size: int, max_seq_length: int) -> None:
+        """Allocate the KV caches (again only when the sizes change)."""
+
+    def warm_up(self, prompts: list, sampling: Sampling) -> None:
+        """Run every compiled graph once, so that the next call measures generation, not compilation."""
+
+    def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), start_pos: int = 0,
+                 on_tokens: Optional[Callable] = None) -> tuple:
+        """(each row's new token ids, Stats)."""
+
+    def metrics(self, stats: Stats) -> dict:
+        """The figures of one generate call, as a flat dict."""
+
+
+class Engine(Generator):
+    """A model with its (optionally compiled) prefill and decode step, and its KV cache."""
+
+    def __init__(self, model: Transformer, compile: bool = False, compile_prefill: bool = False,
+                 compile_mode: str = "default"):
+        self.model = model
+        self.device = model.norm.weight.device
+        self.prefill, self.decode_one_token = prefill, decode_one_token
+        self.compiled = compile or compile_prefill
+        if compile:
+            self.decode_one_token = torch.compile(decode_one_token, fullgraph=True,
+                                                  **compile_options(self.device, compile_mode))
+        if compile_prefill:
+            self.prefill = torch.compile(prefill, dynamic=True, fullgraph=True)
+
+    def setup(self, batch_size: int, max_seq_length: int):
+        model = self.model
+        if model.max_batch_size != batch_size or model.max_seq_length != max_seq_length:
+            model.setup_caches(batch_size, max_seq_length)
+
+    def warm_up(self, prompts: list, sampling: Sampling, steps: int = 3):
+        if not self.compiled:
+            return
+        steps = min(steps, self.model.max_seq_length - max(len(p) for p in prompts))
+        log("compiling (about a minute the first time, cached on disk afterwards"
+            "; every run with --compile_mode max)...")
+        start = time.perf_counter()
+        self.generate(prompts, steps, sampling)  # prefill + decode steps: the compiled graph runs from the second on
+        log(f"compiled in {time.perf_counter() - start:.1f} s")
+
+    @torch.inference_mode()
+    def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), start_pos: int = 0,
+                 on_tokens: Optional[Callable] = None) -> tuple:
+        """Generate for a batch of token-id prompts (left-padded to a common length).
+        start_pos > 0 continues a single conversation whose first start_pos tokens are cached.
+        on_tokens(list of per-row new ids) is called as tokens arrive. Returns (outputs, Stats):
+        each row's new tokens, ending at (and including) its stop token if it met one."""
+        batch, prompt_len = len(prompts), max(len(p) for p in prompts)
+        device = self.device
+        check_fits(start_pos, prompt_len, max_new_tokens, self.model.max_seq_length)
+        pad = torch.tensor([prompt_len - len(p) for p in prompts], device=device)
+        tokens = torch.tensor([[0] * (prompt_len - len(p)) + list(p) for p in prompts], device=device)
+        stop = set(stop_ids)
+        outputs, done = [[] for _ in range(batch)], [False] * batch
+
+        def accept(ids: list):
+            fresh = []
+            for row, token in enumerate(ids):
+                if done[row]:
+                    fresh.append(None)
+                    continue
+                outputs[row].append(token)
+                done[row] = token in stop
+                fresh.append(token)
+            if on_tokens:
+                on_tokens(fresh)
+
+        start = time.perf_counter()
+        input_pos = torch.arange(start_pos, start_pos + prompt_len, device=device)
+        cur = self.prefill(self.model, tokens, input_pos, pad, sampling, start_pos + prompt_len)
+        accept(cur.view(-1).tolist())
+        first = time.perf_counter()
+        times = []
+        pos = start_pos + prompt_len
+        for step in range(max_new_tokens - 1):
+            if all(done):
+                break
+            input_pos = torch.tensor([pos], device=device)
+            with guards_skipped(step > 0):
+                # clone: under CUDA graphs the next replay overwrites the previous step's output buffer
+                cur = self.decode_one_token(self.model, cur.clone(), input_pos, pad, sampling)
+            accept(cur.view(-1).tolist())  # the host needs the tokens anyway: to stop at EOS and to print
+            times.append(time.perf_counter())
+            pos += 1
+        end = times[-1] if times else first
+        stats = Stats(prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(len(o) for o in outputs),
+                      ttft_s=first - start, decode_s=end - first, token_times=[first] + times, batch_size=batch)
+        return outputs, stats
+
+    def metrics(self, stats: Stats) -> dict:
+        return decode_metrics(stats, self.model, self.device)
+
+
+# ---------------------------------------------------------------- chat
+
+class Chat:
+    """A multi-turn conversation that keeps the KV cache between turns: each turn renders the
+    whole conversation with the chat template and prefills only the tokens the cache lacks."""
+
+    def __init__(self, engine: Generator, tokenizer, system: Optional[str] = None, reuse_cache: bool = True):
+        self.engine, self.tokenizer, self.reuse_cache = engine, tokenizer, reuse_cache
+        self.messages = [{"role": "system", "content": system}] if system else []
+        self.cached: list = []  # token ids whose keys/values are in the cache, in order
+        self.last_prompt_tokens = self.last_prefill_tokens = 0
+
+    def reply(self, text: str, max_new_tokens: int, sampling: Sampling, on_tokens=None) -> tuple:
+        self.messages.append({"role": "user", "content": text})
+        ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(self.messages), add_bos=False)
+        keep = reusable_prefix(self.cached, ids, self.engine.model.ring_window) if self.reuse_cache else 0
+        room = self.engine.model.max_seq_length - len(ids)
+        if room < 2:
+            raise UserError(f"the conversation ({len(ids)} tokens) fills the KV cache; "
+                            "start again with a larger --max_seq_length")
+        self.last_prompt_tokens, self.last_prefill_tokens = len(ids), len(ids) - keep
+        (out,), stats = self.engine.generate([ids[keep:]], min(max_new_tokens, room), sampling,
+                                             self.tokenizer.eos_ids, start_pos=keep, on_tokens=on_tokens)
+        self.cached = (ids + out)[:-1]  # the last sampled token was never fed through the model
+        reply_ids = out[:-1] if out and out[-1] in self.tokenizer.eos_ids else out
+        self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply_ids)})
+        return out, stats
+
+
+# ---------------------------------------------------------------- metrics
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> dict:
+    steps = len(stats.token_times) - 1  # decode steps after the first token
+    gaps = [b - a for a, b in zip(stats.token_times, stats.token_times[1:])]
+    tokens_per_s = steps * stats.batch_size / stats.decode_s if stats.decode_s > 0 else 0.0
+    steps_per_s = steps / stats.decode_s if stats.decode_s > 0 else 0.0
+    deciles = statistics.quantiles(gaps, n=10) if len(gaps) >= 2 else [gaps[0] if gaps else 0.0] * 9
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "new_tokens": stats.new_tokens,
+        "ttft_s": stats.ttft_s,
+        "decode_tokens_per_s": tokens_per_s,
+        "inter_token_latency_median_s": statistics.median(gaps) if gaps else 0.0,
+        "inter_token_latency_p90_s": deciles[8],
+        # decode reads every weight once per step, whatever the batch size
+        "bandwidth_gb_s": param_bytes(model) * steps_per_s / 1e9,
+        "peak_memory_bytes": peak_memory_bytes(device),
+    }

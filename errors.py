@@ -1,0 +1,51 @@
+"""The one error a user sees: bad input, reported as a single line `error: ...` and exit status 1.
+
+Library code raises a subclass of `UserError`; each command line's `__main__` hands its `main` to
+`run_cli`, the only place that turns the error into that line. Anything else is a bug and keeps
+its traceback.
+"""
+import sys
+
+
+class UserError(Exception):
+    """Bad input from the user (a flag, a file, a checkpoint); the message is meant for them."""
+
+
+class ConfigError(UserError):
+    """A config.json this engine cannot run."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint directory that is missing, incomplete or unreadable."""
+
+
+class TokenizerError(UserError):
+    """Tokenizer files that are missing or cannot be used."""
+
+
+class QuantizeError(UserError):
+    """A quantization scheme or request that cannot be carried out."""
+
+
+class ConvertError(UserError):
+    """A source model that cannot be converted."""
+
+
+class TPError(UserError):
+    """A tensor-parallel setup that cannot run (world size, sharding, a failed rank)."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (its type when the message is empty)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def run_cli(main, argv=None):
+    """Run a command line's main(): a UserError becomes `error: ...` on stderr and exit 1."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

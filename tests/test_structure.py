@@ -1,0 +1,73 @@
+"""The project's shape: no import cycle among the top-level modules, no library module that
+imports a command line, model.py importing nothing of the project, no sys.path edits."""
+import ast
+
+from conftest import ROOT
+
+COMMAND_LINES = {"generate", "download", "quantize", "eval", "convert_hf_checkpoint"}
+# modules whose command line is a thin `main` over importable functions: libraries may use those
+LIBRARY_TOO = {"quantize", "convert_hf_checkpoint"}
+
+
+def project_imports() -> dict:
+    """module -> the project's modules it imports anywhere in its body (lazy imports count)."""
+    modules = {p.stem: p for p in ROOT.glob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module.split(".")[0])
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def find_cycle(graph: dict):
+    state = {}  # 1: on the current path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                found = visit(dep, path + [dep])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle():
+    assert find_cycle(project_imports()) is None, " -> ".join(find_cycle(project_imports()))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_library_module_imports_a_command_line():
+    graph = project_imports()
+    for name, deps in graph.items():
+        bad = deps & (COMMAND_LINES - LIBRARY_TOO)
+        assert not bad, f"{name}.py imports the command line {', '.join(sorted(bad))}"
+
+
+def test_model_imports_nothing_of_the_project():
+    assert project_imports()["model"] == set()
+
+
+def test_nothing_edits_sys_path():
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
+        text = path.read_text()
+        assert not any(f"sys.path.{edit}(" in text for edit in ("insert", "append")), path.name
