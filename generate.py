@@ -79,10 +79,10 @@ class StdoutStream:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Generate text with a checkpoint made by convert_hf_checkpoint.py or scripts/prepare.py.",
+        description="Generate text with a checkpoint made by convert_hf_checkpoint.py or download.py.",
         epilog="Compilation (--compile) is on by default: the compiled decode step is several times "
                "faster, and its first run compiles (about a minute on CPU, cached on disk afterwards). "
-               "Pass --no-compile for a quick one-off run.")
+               "Pass --no-compile for a quick single run.")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
     p.add_argument("--prompt", action="append",
                    help="prompt text; repeat to generate for several prompts in one batch")

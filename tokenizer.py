@@ -10,9 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-
-class TokenizerError(ValueError):
-    """Missing or invalid tokenizer files; the message is meant for the user."""
+from errors import TokenizerError
 
 
 def _token_content(token) -> Optional[str]:
@@ -264,20 +262,25 @@ def _byte_level_pre_tokenizer(pre: str):
     )
 
 
-def _gguf_field(reader, name, default=None):
-    field = reader.fields.get(name)
-    return field.contents() if field is not None else default
+def gguf_field(reader, key: str, default=None):
+    """One GGUF metadata value (gguf.GGUFReader), or default; the converter reads its fields here too."""
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    value = field.contents()
+    # GGUF floats are float32: give 1e-05, not 9.999999747378752e-06
+    return float(f"{value:.7g}") if isinstance(value, float) else value
 
 
 def write_tokenizer_from_gguf(reader, out_dir) -> None:
     """Write the tokenizer embedded in a GGUF file (gguf.GGUFReader) as tokenizer files in out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kind = _gguf_field(reader, "tokenizer.ggml.model")
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise TokenizerError("the GGUF file has no embedded tokenizer (no tokenizer.ggml.model / tokens)")
-    token_types = _gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    token_types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
 
     if kind == "gpt2":
         _write_byte_level_bpe(reader, tokens, token_types, out_dir)
@@ -288,12 +291,12 @@ def write_tokenizer_from_gguf(reader, out_dir) -> None:
 
     config = {}
     for key, name in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id")):
-        token_id = _gguf_field(reader, f"tokenizer.ggml.{name}")
+        token_id = gguf_field(reader, f"tokenizer.ggml.{name}")
         if token_id is not None and 0 <= token_id < len(tokens):
             config[key] = tokens[token_id]
-    add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
+    add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token")
     config["add_bos_token"] = bool(add_bos) if add_bos is not None else kind == "llama"
-    template = _gguf_field(reader, "tokenizer.chat_template")
+    template = gguf_field(reader, "tokenizer.chat_template")
     if template:
         config["chat_template"] = template
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
@@ -303,10 +306,10 @@ def _write_byte_level_bpe(reader, tokens, token_types, out_dir):
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as HFTokenizer
 
-    merges = _gguf_field(reader, "tokenizer.ggml.merges")
+    merges = gguf_field(reader, "tokenizer.ggml.merges")
     if merges is None:
         raise TokenizerError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
-    normalizer, pre_tokenizer = _byte_level_pre_tokenizer(_gguf_field(reader, "tokenizer.ggml.pre", "default"))
+    normalizer, pre_tokenizer = _byte_level_pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", "default"))
     vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
     if normalizer is not None:
@@ -338,7 +341,7 @@ def _write_sentencepiece(reader, tokens, token_types, out_dir):
     import sentencepiece as spm
 
     proto = _parse_sentencepiece_proto(b"")
-    scores = _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    scores = gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
     # GGUF token types use SentencePiece's numbering: 1 normal, 2 unknown, 3 control, 4 user-defined,
     # 5 unused, 6 byte
     for i, (token, score, token_type) in enumerate(zip(tokens, scores, token_types)):
@@ -355,7 +358,7 @@ def _write_sentencepiece(reader, tokens, token_types, out_dir):
     trainer.vocab_size = len(tokens)
     trainer.byte_fallback = 6 in token_types
     for name, default in (("unk", 0), ("bos", 1), ("eos", 2), ("pad", -1)):
-        token_id = _gguf_field(reader, f"tokenizer.ggml.{'padding' if name == 'pad' else name}_token_id")
+        token_id = gguf_field(reader, f"tokenizer.ggml.{'padding' if name == 'pad' else name}_token_id")
         setattr(trainer, f"{name}_id", int(token_id) if token_id is not None else default)
     if trainer.unk_id >= 0 and token_types[trainer.unk_id] != 2:
         trainer.unk_id = next((i for i, t in enumerate(token_types) if t == 2), 0)
@@ -367,7 +370,7 @@ def _write_sentencepiece(reader, tokens, token_types, out_dir):
     # Llama / Gemma normalization: none (identity), whitespace escaped as U+2581
     normalizer = proto.normalizer_spec
     normalizer.name = "identity"
-    normalizer.add_dummy_prefix = bool(_gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    normalizer.add_dummy_prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
     normalizer.remove_extra_whitespaces = False
     normalizer.escape_whitespaces = True
 

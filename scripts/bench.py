@@ -1,22 +1,30 @@
 """Benchmark our generate.py against its peers on the same weights, in one run.
 
-    python scripts/bench.py                      # SmolLM2-135M, float32 + bfloat16, 3 rounds
-    python scripts/bench.py --quick             # smoke test: 1 round, 32 new tokens
-    python scripts/bench.py --llama_quants Q8_0,ORIG --json bench-out/bench.json
-    python scripts/bench.py --engines ours,llama --dtypes float32,bfloat16 \
-        --quantized int8,int4-g32 --llama_quants Q8_0,Q4_1     # quantization (issue figures)
+Run from the repository root:
+
+    python -m scripts.bench                      # SmolLM2-135M, float32 + bfloat16, 3 rounds
+    python -m scripts.bench --quick              # smoke test: 1 round, 32 new tokens
+    python -m scripts.bench --llama_quants Q8_0,ORIG --json bench-out/bench.json
+    python -m scripts.bench --engines ours,llama --dtypes float32,bfloat16 \
+        --quantized int8,int4-g32 --llama_quants Q8_0,Q4_1     # quantized weights
+    git worktree add /tmp/before HEAD~1 && python -m scripts.bench --engines ours \
+        --before /tmp/before --quantized int8,int4-g32          # a change, before and after
+
+Current figures and the commands that made them: docs/benchmarks.md.
 
 Engines (--engines), each started in its own subprocess, all fed the same prompt token ids:
   ours        generate.py --compile (torch.compile of the decode step)
   ours-max    generate.py --compile --compile_mode max (frozen weights, inductor GEMM kernels)
   ours-prefill generate.py --compile --compile_prefill (the prefill compiled too, dynamic shapes)
   ours-eager  generate.py --no-compile
+  ours-before generate.py --compile of another checkout (--before DIR, e.g. a git worktree of an
+              earlier commit): a change's before and after in the same interleaved rounds
   hf          Hugging Face transformers' best CPU configuration: static cache +
               torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
   hf-eager    transformers with its default dynamic cache, no compile
   llama       llama.cpp through llama-cpp-python, on F32/BF16 GGUFs of the same weights
 
-Weights: ours read checkpoints/NAME (made by `python scripts/prepare.py NAME` from a GGUF);
+Weights: ours read checkpoints/NAME (made by `python download.py NAME` from a GGUF);
 transformers loads that GGUF and dequantizes it the way our converter does; llama.cpp runs an
 F32 GGUF written from the dequantized tensors (same metadata) and a BF16 one made from it by
 llama_model_quantize. Those files are cached in $MINILLM_CACHE/bench (default
@@ -27,23 +35,23 @@ Protocol: batch 1, 2 threads everywhere (OMP_NUM_THREADS=2, torch.set_num_thread
 n_threads=2), greedy, exactly --max_new_tokens new tokens (EOS ignored). Every engine runs each
 prompt in a process of its own, --num_samples times, and drops the first run (compilation and
 warm-up); the median of the rest is that round's figure. Rounds are interleaved (the engine
-order rotates each round) because this machine's speed drifts by up to 2x between minutes; the
-table shows the median over rounds.
+order rotates each round) so that a machine whose speed drifts over minutes favours no engine;
+the table shows the median over rounds.
 Decode tokens/s is measured after the short prompt; time to first token (TTFT: prefill plus the
-first token) for the short prompt and for a ~500-token one (the opening of Moby-Dick).
+first token) for the short prompt and for a long one (the opening of Moby-Dick).
 Memory bandwidth is measured in every round (torch sum over 1 GiB of float32, 2 threads, best of
 5); "% bw" is an engine's achieved bandwidth (weight bytes x decode steps/s; ours as generate.py
 reports it) over the median measured bandwidth.
 
 llama.cpp is optional: without llama-cpp-python its rows are skipped with a message. It builds
-from source (~7-10 min on 2 cores, 20+ when the machine is busy) and the CPU flags must match the
-machine (`grep -o 'avx512[a-z_]*\|amx[a-z_]*' /proc/cpuinfo | sort -u`): a flag the CPU lacks
-gives "Illegal instruction" on the first model load, and ggml's AMX code crashes on the first
-Q4_1/Q8_0 decode of the AVX-512+AMX machines, so AMX stays off. On the AVX2-only AMD EPYC machines:
+from source (several minutes) and the CPU flags must match the machine
+(`grep -o 'avx512[a-z_]*\|amx[a-z_]*' /proc/cpuinfo | sort -u`): a flag the CPU lacks gives
+"Illegal instruction" on the first model load. Keep AMX off: ggml's AMX code has crashed on
+Q4_1/Q8_0 decoding. On an AVX2-only CPU:
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36
 
-On the AVX-512 + AMX machines (shared/peers.md):
+On an AVX-512 CPU:
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 pip install --no-cache-dir llama-cpp-python==0.3.36
 
@@ -60,15 +68,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import download
+from scripts.bench_peers import THREADS, gguf_variant
 
-from bench_peers import THREADS, gguf_variant  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 SHORT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
-# Herman Melville, Moby-Dick (1851), chapter 1; public domain. 494 tokens with SmolLM2's tokenizer.
+# Herman Melville, Moby-Dick (1851), chapter 1; public domain. About 500 tokens.
 LONG_PROMPT = """\
 Call me Ishmael. Some years ago--never mind how long precisely--having little or no money in my \
 purse, and nothing particular to interest me on shore, I thought I would sail about a little and see \
@@ -103,6 +110,7 @@ ENGINES = {  # name -> label in the table
     "ours-max": "ours (--compile_mode max)",
     "ours-prefill": "ours (--compile_prefill)",
     "ours-eager": "ours (eager)",
+    "ours-before": "ours, --before tree",
     "hf": "transformers static+compile",
     "hf-eager": "transformers eager",
     "llama": "llama.cpp",
@@ -124,15 +132,14 @@ def median(xs):
 
 # ---------------------------------------------------------------- setup
 
-def resolve_weights(a):
+def resolve_weights(args):
     """(checkpoint dir, source GGUF path) for --model unless --checkpoint/--gguf say otherwise."""
-    checkpoint = a.checkpoint or REPO_ROOT / "checkpoints" / a.model
-    gguf = a.gguf
+    checkpoint = args.checkpoint or REPO_ROOT / "checkpoints" / args.model
+    gguf = args.gguf
     if gguf is None:
-        import prepare  # scripts/prepare.py: downloads (once) and verifies the model's GGUF
-        if a.model not in prepare.MODELS:
-            sys.exit(f"error: unknown --model {a.model!r}; pass --gguf for other weights")
-        gguf = prepare.fetch_gguf(a.model)
+        if args.model not in download.MODELS:
+            sys.exit(f"error: unknown --model {args.model!r}; pass --gguf for other weights")
+        gguf = download.fetch_gguf(args.model)  # downloaded (once) and verified
     return Path(checkpoint), Path(gguf)
 
 
@@ -158,53 +165,51 @@ def tokenize_prompts(gguf: Path, checkpoint: Path) -> dict:
     return ids
 
 
-def engine_jobs(a, llama_ok: bool) -> list:
+def engine_jobs(args, llama_ok: bool) -> list:
     """(engine, dtype) pairs of one round; llama.cpp rows use its file types as dtype."""
     jobs = []
-    for engine in a.engines:
+    for engine in args.engines:
         if engine == "llama":
             if not llama_ok:
                 continue
-            kinds = [LLAMA_KIND[d] for d in a.dtypes] + a.llama_quants
+            kinds = [LLAMA_KIND[d] for d in args.dtypes] + args.llama_quants
             jobs += [(engine, k) for k in dict.fromkeys(kinds)]
         else:
-            jobs += [(engine, d) for d in a.dtypes]
-            if engine in ("ours", "ours-max"):
-                jobs += [(engine, q) for q in a.quantized]  # weights quantized, activations float32
+            jobs += [(engine, d) for d in args.dtypes]
+            if engine in ("ours", "ours-max", "ours-before"):
+                jobs += [(engine, q) for q in args.quantized]  # weights quantized, activations float32
     return jobs
 
 
-def quantized_checkpoint(a, label: str) -> Path:
+def quantized_checkpoint(args, label: str) -> Path:
     """checkpoints/NAME-<label>, made by quantize.py if it is not there yet."""
-    path = a.checkpoint.parent / f"{a.checkpoint.name}-{label}"
+    path = args.checkpoint.parent / f"{args.checkpoint.name}-{label}"
     if not (path / "config.json").exists():
         log(f"making {path} with quantize.py")
-        r = subprocess.run([sys.executable, str(REPO_ROOT / "quantize.py"), "--checkpoint", str(a.checkpoint),
-                            *QUANTIZED[label][0], "--out", str(path)], cwd=REPO_ROOT)
-        if r.returncode != 0:
+        result = subprocess.run([sys.executable, "quantize.py", "--checkpoint", str(args.checkpoint),
+                                 *QUANTIZED[label][0], "--out", str(path)], cwd=REPO_ROOT)
+        if result.returncode != 0:
             sys.exit(f"error: quantize.py failed for {label}")
     return path
 
 
 # ---------------------------------------------------------------- subprocesses
 
-def subprocess_env() -> dict:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
-    return env
+def subprocess_env(**extra) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
+                TOKENIZERS_PARALLELISM="false", **extra)
 
 
-def run_process(cmd: list, out: Path, logfile: Path, timeout: float):
+def run_process(cmd: list, out: Path, logfile: Path, timeout: float, env: dict = None):
     """Run cmd, output to logfile; return (JSON it wrote to out or None, error text or None, wall s)."""
-    t = time.perf_counter()
+    start = time.perf_counter()
     try:
         with open(logfile, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=subprocess_env(),
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env or subprocess_env(),
                                 timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
-    wall = time.perf_counter() - t
+    wall = time.perf_counter() - start
     if rc == 0 and out.exists():
         return json.loads(out.read_text()), None, wall
     tail = "\n".join(logfile.read_text(errors="replace").splitlines()[-15:])
@@ -212,24 +217,28 @@ def run_process(cmd: list, out: Path, logfile: Path, timeout: float):
     return None, f"exit {rc}{hint}; log {logfile}:\n{tail}", wall
 
 
-def peers_cmd(worker: str, out: Path, *args) -> list:
-    return [sys.executable, str(REPO_ROOT / "scripts" / "bench_peers.py"), worker, "--out", str(out), *map(str, args)]
+def peers_cmd(worker: str, out: Path, *flags) -> list:
+    return [sys.executable, "-m", "scripts.bench_peers", worker, "--out", str(out), *map(str, flags)]
 
 
-def run_ours(a, engine, dtype, ids, workdir: Path, tag: str) -> dict:
+def run_ours(args, engine, dtype, ids, workdir: Path, tag: str) -> dict:
     """generate.py once per prompt; drop sample 0 (compilation), keep the rest."""
     runs, warmup, errors, wall = {}, {}, [], 0.0
     for name, text in PROMPTS.items():
         out = workdir / f"{tag}-{name}.json"
-        checkpoint = a.checkpoint if dtype not in QUANTIZED else quantized_checkpoint(a, dtype)
-        cmd = [sys.executable, str(REPO_ROOT / "generate.py"), "--checkpoint", str(checkpoint),
-               "--prompt", text, "--max_new_tokens", str(a.max_new_tokens), "--temperature", "0",
+        checkpoint = args.checkpoint if dtype not in QUANTIZED else quantized_checkpoint(args, dtype)
+        tree = args.before if engine == "ours-before" else REPO_ROOT
+        cmd = [sys.executable, str(tree / "generate.py"), "--checkpoint", str(checkpoint),
+               "--prompt", text, "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0",
                "--device", "cpu", "--dtype", "float32" if dtype in QUANTIZED else dtype, "--no-compile" if engine == "ours-eager" else "--compile",
                *(["--compile_mode", "max"] if engine == "ours-max" else []),
                *(["--compile_prefill"] if engine == "ours-prefill" else []),
-               "--ignore_eos", "--num_samples", str(a.num_samples), "--metrics_json", str(out)]
-        metrics, err, w = run_process(cmd, out, workdir / f"{tag}-{name}.log", a.timeout)
-        wall += w
+               "--ignore_eos", "--num_samples", str(args.num_samples), "--metrics_json", str(out)]
+        # the other tree builds its own CPU kernels: one build directory for both would rebuild on every switch
+        env = subprocess_env(TORCH_EXTENSIONS_DIR=str(bench_cache_dir() / "before-extensions")) \
+            if engine == "ours-before" else None
+        metrics, err, seconds = run_process(cmd, out, workdir / f"{tag}-{name}.log", args.timeout, env)
+        wall += seconds
         if err:
             errors.append(f"{name}: {err}")
             continue
@@ -244,21 +253,21 @@ def run_ours(a, engine, dtype, ids, workdir: Path, tag: str) -> dict:
     return result
 
 
-def run_peer(a, engine, dtype, ids, workdir: Path, tag: str) -> dict:
+def run_peer(args, engine, dtype, ids, workdir: Path, tag: str) -> dict:
     """One worker process per prompt, like ours: a process that saw two prompt lengths would
     run torch.compile's second graph with dynamic shapes, which is not transformers' best case."""
     runs, warmup, load, errors, wall, weight_bytes = {}, {}, {}, [], 0.0, None
     for name in PROMPTS:
         out, ids_file = workdir / f"{tag}-{name}.json", workdir / f"ids-{name}.json"
         ids_file.write_text(json.dumps({name: ids[name]}))
-        common = ["--prompts", ids_file, "--max_new_tokens", a.max_new_tokens, "--num_samples", a.num_samples]
+        common = ["--prompts", ids_file, "--max_new_tokens", args.max_new_tokens, "--num_samples", args.num_samples]
         if engine == "llama":
-            cmd = peers_cmd("llama", out, "--gguf", a.llama_files[dtype], *common)
+            cmd = peers_cmd("llama", out, "--gguf", args.llama_files[dtype], *common)
         else:
-            cmd = peers_cmd("hf", out, "--gguf", a.gguf, "--dtype", dtype,
+            cmd = peers_cmd("hf", out, "--gguf", args.gguf, "--dtype", dtype,
                             "--compile" if engine == "hf" else "--no-compile", *common)
-        result, err, w = run_process(cmd, out, workdir / f"{tag}-{name}.log", a.timeout)
-        wall += w
+        result, err, seconds = run_process(cmd, out, workdir / f"{tag}-{name}.log", args.timeout)
+        wall += seconds
         if err:
             errors.append(f"{name}: {err}")
             continue
@@ -270,9 +279,9 @@ def run_peer(a, engine, dtype, ids, workdir: Path, tag: str) -> dict:
     return result
 
 
-def run_membw(a, workdir: Path, tag: str) -> dict:
+def run_membw(args, workdir: Path, tag: str) -> dict:
     out = workdir / f"{tag}.json"
-    result, err, _ = run_process(peers_cmd("membw", out), out, workdir / f"{tag}.log", a.timeout)
+    result, err, _ = run_process(peers_cmd("membw", out), out, workdir / f"{tag}.log", args.timeout)
     if err:
         log(f"memory bandwidth measurement failed: {err}")
     return result or {}
@@ -283,11 +292,11 @@ def run_membw(a, workdir: Path, tag: str) -> dict:
 def summarize(raw: list, membw: list, n_new: int, reference: str = "ours") -> list:
     """One row per (engine, dtype): medians over rounds of each round's median over samples."""
     bw_machine = median([m.get("gb_s") for m in membw])
-    rows = {}
-    for r in raw:
-        rows.setdefault((r["engine"], r["dtype"]), []).append(r)
+    groups = {}
+    for result in raw:
+        groups.setdefault((result["engine"], result["dtype"]), []).append(result)
     summary = []
-    for (engine, dtype), rounds in rows.items():
+    for (engine, dtype), rounds in groups.items():
         def per_round(prompt, key):
             return median([median([s.get(key) for s in rr["runs"].get(prompt, [])]) for rr in rounds])
         tps = per_round("short", "decode_tokens_per_s")
@@ -312,16 +321,16 @@ def summarize(raw: list, membw: list, n_new: int, reference: str = "ours") -> li
     # ours/peer: decode speed ratio and TTFT speedup (peer TTFT / our TTFT), same dtype
     ours = {s["dtype"]: s for s in summary if s["engine"] == reference} or \
         {s["dtype"]: s for s in summary if s["engine"].startswith("ours")}
-    for s in summary:
-        same = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_1": "int4-g32"}
-        o = ours.get(same.get(s["dtype"], s["dtype"]))
-        ok = o is not None and not s["engine"].startswith("ours")
+    same = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_1": "int4-g32"}
+    for row in summary:
+        mine = ours.get(same.get(row["dtype"], row["dtype"]))
+        ok = mine is not None and (row["engine"] == "ours-before" or not row["engine"].startswith("ours"))
 
         def ratio(x, y):
             return x / y if ok and x and y else None
-        s["ours_decode_ratio"] = ratio(o and o["decode_tokens_per_s"], s["decode_tokens_per_s"])
-        s["ours_ttft_short_speedup"] = ratio(s["ttft_short_s"], o and o["ttft_short_s"])
-        s["ours_ttft_long_speedup"] = ratio(s["ttft_long_s"], o and o["ttft_long_s"])
+        row["ours_decode_ratio"] = ratio(mine and mine["decode_tokens_per_s"], row["decode_tokens_per_s"])
+        row["ours_ttft_short_speedup"] = ratio(row["ttft_short_s"], mine and mine["ttft_short_s"])
+        row["ours_ttft_long_speedup"] = ratio(row["ttft_long_s"], mine and mine["ttft_long_s"])
     return summary
 
 
@@ -329,155 +338,163 @@ def fmt(x, spec, scale=1.0):
     return "-" if x is None else format(x * scale, spec)
 
 
-def print_table(summary: list, membw: list, ids: dict, a):
+def print_table(summary: list, membw: list, ids: dict, args):
     n_long = len(ids["long"])
     head = ["engine", "dtype", "decode tok/s", "TTFT short ms", f"TTFT {n_long} ms", "GB/s", "% bw",
             "ours/peer decode", "ours TTFT short x", f"ours TTFT {n_long} x"]
-    rows = [[ENGINES[s["engine"]], s["dtype"], fmt(s["decode_tokens_per_s"], ".1f"),
-             fmt(s["ttft_short_s"], ".0f", 1000), fmt(s["ttft_long_s"], ".0f", 1000),
-             fmt(s["bandwidth_gb_s"], ".1f"), fmt(s["bandwidth_fraction"], ".0f", 100),
-             fmt(s["ours_decode_ratio"], ".2f"), fmt(s["ours_ttft_short_speedup"], ".2f"),
-             fmt(s["ours_ttft_long_speedup"], ".2f")] for s in summary]
-    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    cells = [[ENGINES[row["engine"]], row["dtype"], fmt(row["decode_tokens_per_s"], ".1f"),
+             fmt(row["ttft_short_s"], ".0f", 1000), fmt(row["ttft_long_s"], ".0f", 1000),
+             fmt(row["bandwidth_gb_s"], ".1f"), fmt(row["bandwidth_fraction"], ".0f", 100),
+             fmt(row["ours_decode_ratio"], ".2f"), fmt(row["ours_ttft_short_speedup"], ".2f"),
+             fmt(row["ours_ttft_long_speedup"], ".2f")] for row in summary]
+    widths = [max(len(str(r[i])) for r in [head] + cells) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     bws = [m["gb_s"] for m in membw if m.get("gb_s")]
-    print(f"\nmodel {a.checkpoint} / {a.gguf.name}; batch 1, {THREADS} threads, greedy, {a.max_new_tokens} new "
-          f"tokens; prompts {len(ids['short'])} and {n_long} tokens; median of {a.rounds} round(s)")
+    print(f"\nmodel {args.checkpoint} / {args.gguf.name}; batch 1, {THREADS} threads, greedy, {args.max_new_tokens} new "
+          f"tokens; prompts {len(ids['short'])} and {n_long} tokens; median of {args.rounds} round(s)")
     if bws:
         print(f"memory bandwidth (sum over 1 GiB fp32, {THREADS} threads): median {statistics.median(bws):.1f} GB/s "
               f"(rounds: {', '.join(f'{b:.1f}' for b in bws)})")
     print(line(head))
     print(line(["-" * w for w in widths]))
-    for r in rows:
+    for r in cells:
         print(line(r))
-    f32 = next((s for s in summary if s["engine"] == a.reference and s["dtype"] == "float32"), None)
-    for s in summary:
-        if s["engine"] == a.reference and s["dtype"] in QUANTIZED and f32 and s["decode_tokens_per_s"]:
-            print(f"ours {s['dtype']} decodes {s['decode_tokens_per_s'] / f32['decode_tokens_per_s']:.2f}x ours float32")
+    f32 = next((row for row in summary if row["engine"] == args.reference and row["dtype"] == "float32"), None)
+    for row in summary:
+        if row["engine"] == args.reference and row["dtype"] in QUANTIZED and f32 and row["decode_tokens_per_s"]:
+            print(f"ours {row['dtype']} decodes {row['decode_tokens_per_s'] / f32['decode_tokens_per_s']:.2f}x ours float32")
     print("ours/peer decode: our decode tok/s over the peer's (same dtype; int8 faces Q8_0, int4-g32 Q4_1); "
           "ours TTFT x: the peer's time to "
           "first token over ours (>1: ours is faster). % bw: achieved bandwidth over the measured one.")
-    ref = next((s for s in summary if s["engine"].startswith("hf") and s["output_ids_short"]), None)
+    ref = next((row for row in summary if row["engine"].startswith("hf") and row["output_ids_short"]), None)
     if ref:  # greedy outputs of the same weights should agree for a while, then drift with rounding
         agree = []
-        for s in summary:
-            ids_ = s["output_ids_short"]
-            if ids_ and s is not ref:
-                n = next((i for i, (x, y) in enumerate(zip(ids_, ref["output_ids_short"])) if x != y), min(len(ids_), len(ref["output_ids_short"])))
-                agree.append(f"{ENGINES[s['engine']]} {s['dtype']} {n}/{len(ids_)}")
+        for row in summary:
+            out, ref_out = row["output_ids_short"], ref["output_ids_short"]
+            if out and row is not ref:
+                same = next((i for i, (x, y) in enumerate(zip(out, ref_out)) if x != y), min(len(out), len(ref_out)))
+                agree.append(f"{ENGINES[row['engine']]} {row['dtype']} {same}/{len(out)}")
         if agree:
             print(f"greedy tokens agreeing with {ENGINES[ref['engine']]} {ref['dtype']} (short prompt): {', '.join(agree)}")
-    for s in summary:
-        if s["warmup_s"].get("short") and s["engine"] in ("hf", "ours", "ours-max", "ours-prefill"):
-            print(f"{ENGINES[s['engine']]} {s['dtype']}: first (compiling) generation took "
-                  f"{s['warmup_s']['short']:.1f} s short / {s['warmup_s'].get('long') or 0:.1f} s long")
-        if not s["exact_new_tokens"] and s["new_tokens_seen"]:
-            print(f"WARNING {ENGINES[s['engine']]} {s['dtype']}: generated {s['new_tokens_seen']} tokens, "
-                  f"not exactly {a.max_new_tokens}")
-        for e in s["errors"]:
-            print(f"ERROR {ENGINES[s['engine']]} {s['dtype']}: {e.splitlines()[0]} (see --json / the log)")
+    for row in summary:
+        if row["warmup_s"].get("short") and row["engine"] in ("hf", "ours", "ours-max", "ours-prefill"):
+            print(f"{ENGINES[row['engine']]} {row['dtype']}: first (compiling) generation took "
+                  f"{row['warmup_s']['short']:.1f} s short / {row['warmup_s'].get('long') or 0:.1f} s long")
+        if not row["exact_new_tokens"] and row["new_tokens_seen"]:
+            print(f"WARNING {ENGINES[row['engine']]} {row['dtype']}: generated {row['new_tokens_seen']} tokens, "
+                  f"not exactly {args.max_new_tokens}")
+        for e in row["errors"]:
+            print(f"ERROR {ENGINES[row['engine']]} {row['dtype']}: {e.splitlines()[0]} (see --json / the log)")
 
 
 # ---------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__[__doc__.index("Engines"):],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m",
-                   help="model name known to scripts/prepare.py (default: smollm2-135m)")
-    p.add_argument("--checkpoint", type=Path, default=None, help="our checkpoint dir (default: checkpoints/MODEL)")
-    p.add_argument("--gguf", type=Path, default=None,
-                   help="the GGUF the checkpoint was converted from (default: prepare.py's cached copy)")
-    p.add_argument("--engines", default="ours,hf,llama",
-                   help=f"comma-separated, from: {', '.join(ENGINES)} (default: ours,hf,llama)")
-    p.add_argument("--reference", default="ours",
-                   help="which of our engines the ratio columns compare with the peers (default: ours)")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes (default: both)")
-    p.add_argument("--quantized", default="",
-                   help="extra rows of ours on quantized checkpoints, comma-separated from "
-                        f"{', '.join(QUANTIZED)} (made with quantize.py when missing)")
-    p.add_argument("--llama_quants", default="",
-                   help="extra llama.cpp rows, comma-separated from Q8_0, Q4_1, ORIG (the GGUF as shipped)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
-    p.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per run, EOS ignored")
-    p.add_argument("--num_samples", type=int, default=2,
-                   help="runs per prompt per process; the first is warm-up and is dropped (>= 2)")
-    p.add_argument("--timeout", type=float, default=1200, help="seconds one subprocess may take")
-    p.add_argument("--quick", action="store_true", help="smoke test: 1 round, 32 new tokens")
-    p.add_argument("--json", type=Path, default=None, help="write every raw number here")
-    return p
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__[__doc__.index("Engines"):],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="a model name known to download.py (default: smollm2-135m)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="our checkpoint dir (default: checkpoints/MODEL)")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="the GGUF the checkpoint was converted from (default: download.py's cached copy)")
+    parser.add_argument("--engines", default="ours,hf,llama",
+                        help=f"comma-separated, from: {', '.join(ENGINES)} (default: ours,hf,llama)")
+    parser.add_argument("--reference", default="ours",
+                        help="which of our engines the ratio columns compare with the peers (default: ours)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes (default: both)")
+    parser.add_argument("--quantized", default="",
+                        help="extra rows of ours on quantized checkpoints, comma-separated from "
+                             f"{', '.join(QUANTIZED)} (made with quantize.py when missing)")
+    parser.add_argument("--llama_quants", default="",
+                        help="extra llama.cpp rows, comma-separated from Q8_0, Q4_1, ORIG (the GGUF as shipped)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per run, EOS ignored")
+    parser.add_argument("--num_samples", type=int, default=2,
+                        help="runs per prompt per process; the first is warm-up and is dropped (>= 2)")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds one subprocess may take")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 round, 32 new tokens")
+    parser.add_argument("--json", type=Path, default=None, help="write every raw number here")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="another checkout of this project (e.g. a git worktree of an earlier commit): "
+                             "adds the engine ours-before, its generate.py, to the same interleaved rounds")
+    return parser
 
 
 def main(argv=None):
-    a = build_parser().parse_args(argv)
-    if a.quick:
-        a.rounds, a.max_new_tokens = 1, min(a.max_new_tokens, 32)
-    a.engines = [e for e in a.engines.split(",") if e]
-    a.dtypes = [d for d in a.dtypes.split(",") if d]
-    a.llama_quants = [q.upper() for q in a.llama_quants.split(",") if q]
-    a.quantized = [q for q in a.quantized.split(",") if q]
-    bad = [e for e in a.engines if e not in ENGINES] + [d for d in a.dtypes if d not in LLAMA_KIND] + \
-        [q for q in a.llama_quants if q not in ("Q8_0", "Q4_1", "ORIG")] + [q for q in a.quantized if q not in QUANTIZED]
-    if bad or a.num_samples < 2 or a.rounds < 1:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.rounds, args.max_new_tokens = 1, min(args.max_new_tokens, 32)
+    args.engines = [e for e in args.engines.split(",") if e]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.llama_quants = [q.upper() for q in args.llama_quants.split(",") if q]
+    args.quantized = [q for q in args.quantized.split(",") if q]
+    bad = [e for e in args.engines if e not in ENGINES] + [d for d in args.dtypes if d not in LLAMA_KIND] + \
+        [q for q in args.llama_quants if q not in ("Q8_0", "Q4_1", "ORIG")] + [q for q in args.quantized if q not in QUANTIZED]
+    if bad or args.num_samples < 2 or args.rounds < 1:
         sys.exit(f"error: bad arguments {bad or ''} (--num_samples must be >= 2, --rounds >= 1)")
-    a.checkpoint, a.gguf = resolve_weights(a)
+    args.checkpoint, args.gguf = resolve_weights(args)
+    if args.before is not None:
+        if not (args.before / "generate.py").is_file():
+            sys.exit(f"error: --before {args.before} holds no generate.py")
+        args.before = args.before.resolve()
+        args.engines += [] if "ours-before" in args.engines else ["ours-before"]
 
-    if any(e.startswith("ours") for e in a.engines):
+    if any(e.startswith("ours") for e in args.engines):
         why = None if (REPO_ROOT / "generate.py").exists() else "generate.py is missing"
-        if not (a.checkpoint / "config.json").exists():
-            why = f"no checkpoint at {a.checkpoint} (make it with: python scripts/prepare.py {a.model})"
+        if not (args.checkpoint / "config.json").exists():
+            why = f"no checkpoint at {args.checkpoint} (make it with: python download.py {args.model})"
         if why:
             log(f"skipping ours: {why}")
-            a.engines = [e for e in a.engines if not e.startswith("ours")]
+            args.engines = [e for e in args.engines if not e.startswith("ours")]
     llama_ok = importlib.util.find_spec("llama_cpp") is not None
-    if "llama" in a.engines and not llama_ok:
-        log("skipping llama.cpp: llama-cpp-python is not installed (see `scripts/bench.py --help` for how to build it)")
-    a.llama_files = {}
-    if "llama" in a.engines and llama_ok:
-        for kind in [LLAMA_KIND[d] for d in a.dtypes] + a.llama_quants:
-            a.llama_files[kind] = gguf_variant(a.gguf, kind, bench_cache_dir())
+    if "llama" in args.engines and not llama_ok:
+        log("skipping llama.cpp: llama-cpp-python is not installed (see `python -m scripts.bench --help` for how to build it)")
+    args.llama_files = {}
+    if "llama" in args.engines and llama_ok:
+        for kind in [LLAMA_KIND[d] for d in args.dtypes] + args.llama_quants:
+            args.llama_files[kind] = gguf_variant(args.gguf, kind, bench_cache_dir())
 
-    ids = tokenize_prompts(a.gguf, a.checkpoint)
+    ids = tokenize_prompts(args.gguf, args.checkpoint)
     log(f"prompts: short {len(ids['short'])} tokens, long {len(ids['long'])} tokens")
     workdir = Path(tempfile.mkdtemp(prefix="minillm-bench-"))
-    jobs = engine_jobs(a, llama_ok)
-    log(f"{a.rounds} round(s) of {len(jobs)} runs: {', '.join(f'{e}/{d}' for e, d in jobs)}; logs in {workdir}")
+    jobs = engine_jobs(args, llama_ok)
+    log(f"{args.rounds} round(s) of {len(jobs)} runs: {', '.join(f'{e}/{d}' for e, d in jobs)}; logs in {workdir}")
 
     raw, membw, t_start = [], [], time.perf_counter()
-    for rnd in range(a.rounds):
-        m = run_membw(a, workdir, f"r{rnd}-membw")
-        m["round"] = rnd
-        membw.append(m)
-        log(f"round {rnd + 1}/{a.rounds}: memory bandwidth {m.get('gb_s', 0):.1f} GB/s")
+    for rnd in range(args.rounds):
+        bandwidth = run_membw(args, workdir, f"r{rnd}-membw")
+        bandwidth["round"] = rnd
+        membw.append(bandwidth)
+        log(f"round {rnd + 1}/{args.rounds}: memory bandwidth {bandwidth.get('gb_s', 0):.1f} GB/s")
         shift = rnd % len(jobs) if jobs else 0
         for engine, dtype in jobs[shift:] + jobs[:shift]:  # rotate so no engine always runs first
             tag = f"r{rnd}-{engine}-{dtype}"
             if engine.startswith("ours"):
-                r = run_ours(a, engine, dtype, ids, workdir, tag)
+                result = run_ours(args, engine, dtype, ids, workdir, tag)
             else:
-                r = run_peer(a, engine, dtype, ids, workdir, tag)
-            r.update(round=rnd, engine=engine, dtype=dtype)
-            raw.append(r)
-            short = r["runs"].get("short") or [{}]
-            long = r["runs"].get("long") or [{}]
-            if r.get("error"):
-                log(f"  {engine}/{dtype}: FAILED {r['error']}")
+                result = run_peer(args, engine, dtype, ids, workdir, tag)
+            result.update(round=rnd, engine=engine, dtype=dtype)
+            raw.append(result)
+            short = result["runs"].get("short") or [{}]
+            long = result["runs"].get("long") or [{}]
+            if result.get("error"):
+                log(f"  {engine}/{dtype}: FAILED {result['error']}")
             log(f"  {engine}/{dtype}: decode {median([s.get('decode_tokens_per_s') for s in short]) or 0:.1f} tok/s, "
                 f"TTFT {1000 * (median([s.get('ttft_s') for s in short]) or 0):.0f} / "
-                f"{1000 * (median([s.get('ttft_s') for s in long]) or 0):.0f} ms ({r['wall_s']:.0f} s)")
+                f"{1000 * (median([s.get('ttft_s') for s in long]) or 0):.0f} ms ({result['wall_s']:.0f} s)")
 
-    summary = summarize(raw, membw, a.max_new_tokens, a.reference)
-    print_table(summary, membw, ids, a)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "llama_files"}
-        config["llama_files"] = {k: str(v) for k, v in a.llama_files.items()}
-        a.json.write_text(json.dumps({
+    summary = summarize(raw, membw, args.max_new_tokens, args.reference)
+    print_table(summary, membw, ids, args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "llama_files"}
+        config["llama_files"] = {k: str(v) for k, v in args.llama_files.items()}
+        args.json.write_text(json.dumps({
             "config": config, "threads": THREADS, "prompt_ids": ids, "prompts": PROMPTS,
             "wall_s": time.perf_counter() - t_start, "memory_bandwidth": membw,
             "summary": summary, "raw": raw}, indent=1))
-        log(f"wrote {a.json}")
+        log(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

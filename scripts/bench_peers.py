@@ -1,6 +1,9 @@
 """The subprocess side of scripts/bench.py: one engine, one dtype, one process.
 
-scripts/bench.py starts this file once per (round, engine, dtype) so that no two engines share
+    python -m scripts.bench_peers membw --out membw.json
+    python -m scripts.bench_peers hf --gguf model.gguf --prompts ids.json --out hf.json
+
+scripts/bench.py starts this module once per (round, engine, dtype) so that no two engines share
 a thread pool, an allocator or a compile cache in memory. Each worker reads the prompt token ids
 from a JSON file (the same ids for every engine), warms up, times, and writes a JSON object:
 
@@ -112,7 +115,7 @@ def run_record(prompt_tokens: int, new_tokens: int, t0: float, t_first: float, t
             "decode_s": decode_s, "decode_tokens_per_s": steps / decode_s if decode_s > 0 else 0.0}
 
 
-def worker_hf(a, prompts: dict) -> dict:
+def worker_hf(args, prompts: dict) -> dict:
     import torch
     set_threads(THREADS)
     from transformers import AutoModelForCausalLM
@@ -129,13 +132,13 @@ def worker_hf(a, prompts: dict) -> dict:
         def end(self):
             pass
 
-    dtype = getattr(torch, a.dtype)
-    t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(a.gguf.parent), gguf_file=a.gguf.name, dtype=dtype).eval()
-    load_s = time.perf_counter() - t
+    dtype = getattr(torch, args.dtype)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name, dtype=dtype).eval()
+    load_s = time.perf_counter() - start
     model.generation_config.eos_token_id = None  # exactly max_new_tokens, like --ignore_eos
-    kwargs = dict(max_new_tokens=a.max_new_tokens, do_sample=False, pad_token_id=0)
-    if a.compile:
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0)
+    if args.compile:
         # transformers' documented recipe; on CPU there are no CUDA graphs, inductor emits C++
         kwargs["cache_implementation"] = "static"
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
@@ -155,20 +158,20 @@ def worker_hf(a, prompts: dict) -> dict:
     for name, ids in prompts.items():
         first = one(ids)  # compiles this prompt length's prefill and cache shape
         warmup[name] = first["total_s"]
-        runs[name] = [one(ids) for _ in range(a.num_samples - 1)]
+        runs[name] = [one(ids) for _ in range(args.num_samples - 1)]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"load_s": load_s, "warmup_s": warmup, "weight_bytes": weight_bytes, "runs": runs}
 
 
-def worker_llama(a, prompts: dict) -> dict:
+def worker_llama(args, prompts: dict) -> dict:
     import numpy as np
     import llama_cpp
     from llama_cpp import Llama
-    n_ctx = max(len(ids) for ids in prompts.values()) + a.max_new_tokens + 16
-    t = time.perf_counter()
-    llm = Llama(model_path=str(a.gguf), n_threads=THREADS, n_threads_batch=THREADS, n_ctx=n_ctx,
+    n_ctx = max(len(ids) for ids in prompts.values()) + args.max_new_tokens + 16
+    start = time.perf_counter()
+    llm = Llama(model_path=str(args.gguf), n_threads=THREADS, n_threads_batch=THREADS, n_ctx=n_ctx,
                 n_batch=512, verbose=False)
-    load_s = time.perf_counter() - t
+    load_s = time.perf_counter() - start
     n_vocab = llm.n_vocab()
 
     def argmax_last() -> int:
@@ -183,7 +186,7 @@ def worker_llama(a, prompts: dict) -> dict:
         tok = argmax_last()
         t_first = time.perf_counter()
         out = [tok]
-        while len(out) < a.max_new_tokens:  # EOS ignored: always max_new_tokens
+        while len(out) < args.max_new_tokens:  # EOS ignored: always max_new_tokens
             llm.eval([tok])
             tok = argmax_last()
             out.append(tok)
@@ -191,14 +194,12 @@ def worker_llama(a, prompts: dict) -> dict:
 
     runs, warmup = {}, {}
     for name, ids in prompts.items():
-        t = time.perf_counter()
-        one(ids)
-        warmup[name] = time.perf_counter() - t
-        runs[name] = [one(ids) for _ in range(a.num_samples - 1)]
-    return {"load_s": load_s, "warmup_s": warmup, "weight_bytes": gguf_tensor_bytes(a.gguf), "runs": runs}
+        warmup[name] = timed(lambda: one(ids))
+        runs[name] = [one(ids) for _ in range(args.num_samples - 1)]
+    return {"load_s": load_s, "warmup_s": warmup, "weight_bytes": gguf_tensor_bytes(args.gguf), "runs": runs}
 
 
-def worker_membw(a) -> dict:
+def worker_membw(args) -> dict:
     """Read bandwidth as a sum over 1 GiB of float32 sees it: the best of a few passes."""
     import torch
     out = {}
@@ -206,39 +207,40 @@ def worker_membw(a) -> dict:
     for threads in (1, THREADS):
         torch.set_num_threads(threads)
         x.sum()
-        best = min(timed(lambda: x.sum()) for _ in range(a.repeats))
+        best = min(timed(lambda: x.sum()) for _ in range(args.repeats))
         out[f"gb_s_{threads}_threads"] = x.numel() * x.element_size() / best / 1e9
     out["gb_s"] = out[f"gb_s_{THREADS}_threads"]
     return out
 
 
 def timed(fn) -> float:
-    t = time.perf_counter()
+    start = time.perf_counter()
     fn()
-    return time.perf_counter() - t
+    return time.perf_counter() - start
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="One benchmark worker (started by scripts/bench.py).")
-    p.add_argument("worker", choices=["hf", "llama", "membw"])
-    p.add_argument("--gguf", type=Path, help="GGUF file (hf: the one to dequantize; llama: the one to run)")
-    p.add_argument("--dtype", default="float32", help="hf: torch dtype to load the weights in")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="hf: static cache + torch.compile (default) or eager dynamic cache")
-    p.add_argument("--prompts", type=Path, help="JSON {name: [token ids]}")
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--num_samples", type=int, default=2, help="runs per prompt; the first is warm-up")
-    p.add_argument("--repeats", type=int, default=5, help="membw: passes per thread count")
-    p.add_argument("--out", type=Path, required=True, help="write the result JSON here")
-    a = p.parse_args(argv)
-    if a.worker == "membw":
-        result = worker_membw(a)
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_peers",
+                                     description="One benchmark worker (started by scripts/bench.py).")
+    parser.add_argument("worker", choices=["hf", "llama", "membw"])
+    parser.add_argument("--gguf", type=Path, help="GGUF file (hf: the one to dequantize; llama: the one to run)")
+    parser.add_argument("--dtype", default="float32", help="hf: torch dtype to load the weights in")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="hf: static cache + torch.compile (default) or eager dynamic cache")
+    parser.add_argument("--prompts", type=Path, help="JSON {name: [token ids]}")
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--num_samples", type=int, default=2, help="runs per prompt; the first is warm-up")
+    parser.add_argument("--repeats", type=int, default=5, help="membw: passes per thread count")
+    parser.add_argument("--out", type=Path, required=True, help="write the result JSON here")
+    args = parser.parse_args(argv)
+    if args.worker == "membw":
+        result = worker_membw(args)
     else:
-        prompts = json.loads(a.prompts.read_text())
-        result = (worker_hf if a.worker == "hf" else worker_llama)(a, prompts)
+        prompts = json.loads(args.prompts.read_text())
+        result = (worker_hf if args.worker == "hf" else worker_llama)(args, prompts)
     result["threads"] = THREADS
     result["pid"] = os.getpid()
-    a.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

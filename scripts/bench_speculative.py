@@ -3,27 +3,28 @@
 Cases (--case, default: all that can run):
   ngram  prompt lookup (generate.py --ngram 3 --speculate_k 8) with SmolLM2-135M-Instruct on
          input-grounded prompts: edit, fix or reformat a passage given in the prompt.
-         Needs: python scripts/prepare.py smollm2-135m
-         Target: at least 2x plain decoding's tokens/s.
+         Needs: python download.py smollm2-135m
   qwen   Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct on code prompts
          (generate.py --draft_checkpoint ... --speculate_k 5).
-         Needs: python scripts/prepare.py qwen2.5-coder-0.5b && python scripts/prepare.py qwen2.5-coder-1.5b
-         Target: at least 1.6x plain decoding of the 1.5B.
+         Needs: python download.py qwen2.5-coder-0.5b && python download.py qwen2.5-coder-1.5b
   qwen-int8  the same with an int8 copy of the 0.5B as the draft (its decode step reads a quarter
-         of the bytes; its greedy tokens almost always equal the float draft's).
+         of the bytes).
          Needs: the qwen case's models and
          python quantize.py --checkpoint checkpoints/qwen2.5-coder-0.5b --mode int8
-         Target: at least 1.6x plain decoding of the 1.5B.
   int4   an int4 copy of SmolLM2-135M (group size 32) drafting for the float32 model, on the
          ngram case's prompts and a few open questions.
          Needs: python quantize.py --checkpoint checkpoints/smollm2-135m --mode int4 --groupsize 32
          (writes checkpoints/smollm2-135m-int4-g32)
 
-    python scripts/bench_speculative.py                     # every case, compiled, 2 rounds
-    python scripts/bench_speculative.py --case ngram        # one case
-    python scripts/bench_speculative.py --case qwen --draft_dtype bfloat16   # the draft in bfloat16
-    python scripts/bench_speculative.py --quick             # smoke test: 2 prompts, 24 tokens, 1 round, eager
-    python scripts/bench_speculative.py --json bench-out/speculative.json
+Run from the repository root:
+
+    python -m scripts.bench_speculative                     # every case, compiled, 2 rounds
+    python -m scripts.bench_speculative --case ngram        # one case
+    python -m scripts.bench_speculative --case qwen --draft_dtype bfloat16   # the draft in bfloat16
+    python -m scripts.bench_speculative --quick             # smoke test: 2 prompts, 24 tokens, 1 round, eager
+    python -m scripts.bench_speculative --json bench-out/speculative.json
+
+Current figures and the commands that made them: docs/benchmarks.md.
 
 Protocol: batch 1, greedy, float32 (the draft too, unless --draft_dtype), --threads threads
 (default 2), chat template on, generation stops at EOS or --max_new_tokens. For each prompt,
@@ -44,15 +45,13 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
+import speculative
+from engine import DTYPES, Engine, Sampling, load_model
+from tokenizer import Tokenizer
 
-from generate import DTYPES, Engine, Sampling, load_model, warm_up  # noqa: E402
-import speculative  # noqa: E402
-
-CKPT = REPO_ROOT / "checkpoints"
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 
 GROUNDED = [
     "Fix the spelling mistakes in this paragraph and write it out again in full:\n\n"
@@ -109,17 +108,15 @@ OPEN = [
 ]
 
 CASES = {
-    "ngram": dict(target="smollm2-135m", draft=None, ngram=3, k=8, prompts=GROUNDED, goal=2.0),
-    "qwen": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", ngram=None, k=5, prompts=CODE, goal=1.6),
-    "qwen-int8": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b-int8", ngram=None, k=5, prompts=CODE,
-                      goal=1.6),
-    "int4": dict(target="smollm2-135m", draft="smollm2-135m-int4-g32", ngram=None, k=5, prompts=GROUNDED + OPEN,
-                 goal=None),
+    "ngram": dict(target="smollm2-135m", draft=None, ngram=3, k=8, prompts=GROUNDED),
+    "qwen": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", ngram=None, k=5, prompts=CODE),
+    "qwen-int8": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b-int8", ngram=None, k=5, prompts=CODE),
+    "int4": dict(target="smollm2-135m", draft="smollm2-135m-int4-g32", ngram=None, k=5, prompts=GROUNDED + OPEN),
 }
 NEEDS = {
-    "smollm2-135m": "python scripts/prepare.py smollm2-135m",
-    "qwen2.5-coder-0.5b": "python scripts/prepare.py qwen2.5-coder-0.5b",
-    "qwen2.5-coder-1.5b": "python scripts/prepare.py qwen2.5-coder-1.5b",
+    "smollm2-135m": "python download.py smollm2-135m",
+    "qwen2.5-coder-0.5b": "python download.py qwen2.5-coder-0.5b",
+    "qwen2.5-coder-1.5b": "python download.py qwen2.5-coder-1.5b",
     "qwen2.5-coder-0.5b-int8": "python quantize.py --checkpoint checkpoints/qwen2.5-coder-0.5b --mode int8",
     "smollm2-135m-int4-g32": "python quantize.py --checkpoint checkpoints/smollm2-135m --mode int4 --groupsize 32",
 }
@@ -134,129 +131,134 @@ def decode_rate(stats) -> tuple:
     return stats.new_tokens - 1, stats.decode_s
 
 
-def run_case(name: str, a) -> dict:
-    from tokenizer import Tokenizer
-    c = CASES[name]
-    k = a.speculate_k or c["k"]
-    for ckpt in filter(None, (c["target"], c["draft"])):
-        if not (CKPT / ckpt / "config.json").exists():
-            return {"case": name, "skipped": f"checkpoints/{ckpt} is missing: {NEEDS[ckpt]}"}
-    if c["draft"]:
-        speculative.check_same_tokenizer(CKPT / c["target"], CKPT / c["draft"])
-    tok = Tokenizer(CKPT / c["target"])
-    target = load_model(CKPT / c["target"])
-    draft_dtype = DTYPES[a.draft_dtype]
-    draft = load_model(CKPT / c["draft"], dtype=draft_dtype) if c["draft"] else None
-    stop = sorted(set(target.args.eos_token_ids) | set(tok.eos_ids))
-    prompts = c["prompts"][:2] if a.quick else c["prompts"]
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_bos=False) for p in prompts]
-    engine = Engine(target, compile=a.compile)
-    spec = speculative.build(engine, k, draft=draft, ngram=c["ngram"], compile=a.compile, ngram_min=a.ngram_min)
-    S = -(-(max(map(len, ids)) + a.max_new_tokens + k) // 256) * 256
-    engine.setup(1, S)
-    spec.setup(1, S)
-    s = Sampling()
-    t0 = time.perf_counter()
-    warm_up(engine, ids[:1], s, 3)
-    spec.warm_up(ids[:1], s)
-    log(f"[{name}] warmed up in {time.perf_counter() - t0:.1f} s")
+def run_case(name: str, args) -> dict:
+    case = CASES[name]
+    k = args.speculate_k or case["k"]
+    for checkpoint in filter(None, (case["target"], case["draft"])):
+        if not (CHECKPOINTS / checkpoint / "config.json").exists():
+            return {"case": name, "skipped": f"checkpoints/{checkpoint} is missing: {NEEDS[checkpoint]}"}
+    if case["draft"]:
+        speculative.check_same_tokenizer(CHECKPOINTS / case["target"], CHECKPOINTS / case["draft"])
+    tokenizer = Tokenizer(CHECKPOINTS / case["target"])
+    target = load_model(CHECKPOINTS / case["target"])
+    stop = sorted(set(target.args.eos_token_ids) | set(tokenizer.eos_ids))
+    prompts = case["prompts"][:2] if args.quick else case["prompts"]
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_bos=False)
+           for p in prompts]
+    engine = Engine(target, compile=args.compile)
+    if case["draft"]:
+        draft = load_model(CHECKPOINTS / case["draft"], dtype=DTYPES[args.draft_dtype])
+        proposer = speculative.DraftProposer(draft, compile=args.compile)
+    else:
+        proposer = speculative.NgramProposer(case["ngram"], args.ngram_min)
+    spec = speculative.SpeculativeEngine(engine, proposer, k, compile=args.compile)
+    max_seq_length = -(-(max(map(len, ids)) + args.max_new_tokens + k) // 256) * 256  # rounded up to 256
+    engine.setup(1, max_seq_length)
+    spec.setup(1, max_seq_length)
+    sampling = Sampling()
+    start = time.perf_counter()
+    engine.warm_up(ids[:1], sampling)
+    spec.warm_up(ids[:1], sampling)
+    log(f"[{name}] warmed up in {time.perf_counter() - start:.1f} s")
 
-    modes = {"fixed": False, "adaptive": True} if a.adaptive == "both" else {a.adaptive: a.adaptive == "adaptive"}
+    modes = {"fixed": False, "adaptive": True} if args.adaptive == "both" else {args.adaptive: args.adaptive == "adaptive"}
     runs = []
-    for r in range(a.rounds):
-        for i, p in enumerate(ids):
-            (plain_out,), plain_stats = engine.generate([p], a.max_new_tokens, s, stop)
-            pn, pt = decode_rate(plain_stats)
-            run = dict(round=r, prompt=i, prompt_tokens=len(p), new_tokens=len(plain_out), plain_tokens=pn, plain_s=pt)
+    for round_ in range(args.rounds):
+        for i, prompt in enumerate(ids):
+            (plain_out,), plain_stats = engine.generate([prompt], args.max_new_tokens, sampling, stop)
+            plain_tokens, plain_s = decode_rate(plain_stats)
+            run = dict(round=round_, prompt=i, prompt_tokens=len(prompt), new_tokens=len(plain_out),
+                       plain_tokens=plain_tokens, plain_s=plain_s)
             for mode, adaptive in modes.items():
                 spec.adaptive = adaptive
-                (spec_out,), spec_stats = spec.generate([p], a.max_new_tokens, s, stop)
-                m = speculative.speculation_metrics(spec_stats, spec)
-                sn, st = decode_rate(spec_stats)
-                run[mode] = dict(identical=plain_out == spec_out, tokens=sn, s=st,
-                                 tokens_per_target_forward=m["tokens_per_target_forward"],
+                (spec_out,), spec_stats = spec.generate([prompt], args.max_new_tokens, sampling, stop)
+                metrics = spec.metrics(spec_stats)
+                spec_tokens, spec_s = decode_rate(spec_stats)
+                run[mode] = dict(identical=plain_out == spec_out, tokens=spec_tokens, s=spec_s,
+                                 tokens_per_target_forward=metrics["tokens_per_target_forward"],
                                  histogram=spec_stats.histogram, plain_steps=spec_stats.plain_steps,
                                  proposed=spec_stats.proposed)
-                if i == 0 and r == 0 and a.show and mode == list(modes)[0]:
-                    log(tok.decode([t for t in spec_out if t not in stop]))
+                if i == 0 and round_ == 0 and args.show and mode == list(modes)[0]:
+                    log(tokenizer.decode([t for t in spec_out if t not in stop]))
             runs.append(run)
-            log(f"[{name}] round {r} prompt {i}: {len(plain_out)} tokens, plain {pn / pt if pt else 0:.1f} tok/s, "
+            log(f"[{name}] round {round_} prompt {i}: {len(plain_out)} tokens, "
+                f"plain {plain_tokens / plain_s if plain_s else 0:.1f} tok/s, "
                 + ", ".join(f"{mode} {x['tokens'] / x['s'] if x['s'] else 0:.1f} tok/s "
                             f"({x['tokens_per_target_forward']:.2f} tokens/forward)"
                             + ("" if x["identical"] else "  OUTPUT DIFFERS")
                             for mode, x in ((mode, run[mode]) for mode in modes)))
     plain_tps = sum(x["plain_tokens"] for x in runs) / sum(x["plain_s"] for x in runs)
-    proposer = c["draft"] or f"ngram {c['ngram']}"
-    if c["draft"] and a.draft_dtype != "float32":
-        proposer += f" ({a.draft_dtype})"
-    res = dict(case=name, target=c["target"], draft=proposer, k=k, prompts=len(ids),
-               rounds=a.rounds, plain_tokens_per_s=plain_tps, goal=c["goal"], runs=runs)
+    proposer_name = case["draft"] or f"ngram {case['ngram']}"
+    if case["draft"] and args.draft_dtype != "float32":
+        proposer_name += f" ({args.draft_dtype})"
+    result = dict(case=name, target=case["target"], draft=proposer_name, k=k, prompts=len(ids),
+                  rounds=args.rounds, plain_tokens_per_s=plain_tps, runs=runs)
     for mode in modes:
         xs = [x[mode] for x in runs]
         tps = sum(x["tokens"] for x in xs) / sum(x["s"] for x in xs)
         forwards = sum(sum(x["histogram"]) + x["plain_steps"] for x in xs)
         verifies = sum(sum(x["histogram"]) for x in xs)
-        res[mode] = dict(spec_tokens_per_s=tps, speedup=tps / plain_tps,
-                         tokens_per_target_forward=sum(x["tokens"] for x in xs) / forwards if forwards else 0.0,
-                         proposals_per_verify=sum(x["proposed"] for x in xs) / verifies if verifies else 0.0,
-                         acceptance_histogram=[sum(x["histogram"][j] for x in xs) for j in range(k + 1)],
-                         identical=all(x["identical"] for x in xs))
-    return res
+        result[mode] = dict(spec_tokens_per_s=tps, speedup=tps / plain_tps,
+                            tokens_per_target_forward=sum(x["tokens"] for x in xs) / forwards if forwards else 0.0,
+                            proposals_per_verify=sum(x["proposed"] for x in xs) / verifies if verifies else 0.0,
+                            acceptance_histogram=[sum(x["histogram"][j] for x in xs) for j in range(k + 1)],
+                            identical=all(x["identical"] for x in xs))
+    return result
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__[__doc__.index("Cases"):], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", choices=["all", *CASES], default="all")
-    p.add_argument("--speculate_k", type=int, default=None, help="override the case's k")
-    p.add_argument("--ngram_min", type=int, default=1,
-                   help="ngram case: shortest n-gram looked up (default 1; larger proposes less often, and "
-                        "wastes fewer verify forwards when one costs much more than a one-token step)")
-    p.add_argument("--adaptive", choices=["both", "fixed", "adaptive"], default="both",
-                   help="speculate with a fixed k, with the adaptive k (generate.py's default), or both, "
-                        "each side by side with plain decoding (default: both)")
-    p.add_argument("--draft_dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="the draft model's dtype (generate.py --draft_dtype); the target stays float32")
-    p.add_argument("--max_new_tokens", type=int, default=160)
-    p.add_argument("--rounds", type=int, default=2, help="times the whole prompt set is run")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 24 new tokens, 1 round, no compile")
-    p.add_argument("--show", action="store_true", help="print the first prompt's output of each case (stderr)")
-    p.add_argument("--json", type=Path, default=None, help="write every number here")
-    a = p.parse_args(argv)
-    if a.quick:
-        a.max_new_tokens, a.rounds, a.compile = 24, 1, False
-    torch.set_num_threads(a.threads)
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_speculative", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__[__doc__.index("Cases"):],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=["all", *CASES], default="all")
+    parser.add_argument("--speculate_k", type=int, default=None, help="override the case's k")
+    parser.add_argument("--ngram_min", type=int, default=1,
+                        help="ngram case: shortest n-gram looked up (default 1; larger proposes less often, and "
+                             "wastes fewer verify forwards when one costs much more than a one-token step)")
+    parser.add_argument("--adaptive", choices=["both", "fixed", "adaptive"], default="both",
+                        help="speculate with a fixed k, with the adaptive k (generate.py's default), or both, "
+                             "each side by side with plain decoding (default: both)")
+    parser.add_argument("--draft_dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the draft model's dtype (generate.py --draft_dtype); the target stays float32")
+    parser.add_argument("--max_new_tokens", type=int, default=160)
+    parser.add_argument("--rounds", type=int, default=2, help="times the whole prompt set is run")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 24 new tokens, 1 round, no compile")
+    parser.add_argument("--show", action="store_true", help="print the first prompt's output of each case (stderr)")
+    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens, args.rounds, args.compile = 24, 1, False
+    torch.set_num_threads(args.threads)
     results = []
-    for name in (CASES if a.case == "all" else [a.case]):
-        res = run_case(name, a)
-        if "skipped" in res:
-            log(f"[{name}] skipped: {res['skipped']}")
-            if a.case != "all":
-                print(f"error: {res['skipped']}", file=sys.stderr)
+    for name in (CASES if args.case == "all" else [args.case]):
+        result = run_case(name, args)
+        if "skipped" in result:
+            log(f"[{name}] skipped: {result['skipped']}")
+            if args.case != "all":
+                print(f"error: {result['skipped']}", file=sys.stderr)
                 return 1
-        results.append(res)
+        results.append(result)
 
-    print("| case | target | proposer | k | plain tok/s | speculative | tok/s | speedup (goal) "
+    print("| case | target | proposer | k | plain tok/s | speculative | tok/s | speedup "
           "| tokens/target forward | proposals/verify | acceptance histogram (0..k) | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        if "skipped" in r:
-            print(f"| {r['case']} | skipped: {r['skipped']} |||||||||||")
+    for result in results:
+        if "skipped" in result:
+            print(f"| {result['case']} | skipped: {result['skipped']} |||||||||||")
             continue
-        goal = f" ({r['goal']}x)" if r["goal"] else ""
         for mode in ("fixed", "adaptive"):
-            if mode in r:
-                x = r[mode]
-                print(f"| {r['case']} | {r['target']} | {r['draft']} | {r['k']} | {r['plain_tokens_per_s']:.1f} "
-                      f"| {mode} k | {x['spec_tokens_per_s']:.1f} | **{x['speedup']:.2f}x**{goal} "
-                      f"| {x['tokens_per_target_forward']:.2f} | {x['proposals_per_verify']:.2f} "
+            if mode in result:
+                x = result[mode]
+                print(f"| {result['case']} | {result['target']} | {result['draft']} | {result['k']} "
+                      f"| {result['plain_tokens_per_s']:.1f} | {mode} k | {x['spec_tokens_per_s']:.1f} "
+                      f"| **{x['speedup']:.2f}x** | {x['tokens_per_target_forward']:.2f} | {x['proposals_per_verify']:.2f} "
                       f"| {' '.join(map(str, x['acceptance_histogram']))} | {'yes' if x['identical'] else 'NO'} |")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(results, indent=2))
-    return 0 if all(r[m]["identical"] for r in results for m in ("fixed", "adaptive") if m in r) else 1
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0 if all(r[mode]["identical"] for r in results for mode in ("fixed", "adaptive") if mode in r) else 1
 
 
 if __name__ == "__main__":

@@ -1,17 +1,21 @@
-"""Tensor parallelism figures for the README: decode tokens/s, per-rank memory and the
-communication per decode step, for one process and for torchrun with N = 1, 2, ... ranks.
+"""Tensor parallelism: decode tokens/s, per-rank memory and the communication per decode step,
+for one process and for torchrun with N = 1, 2, ... ranks.
 
-    python scripts/bench_tp.py                                  # SmolLM2-135M, N = 1, 2, float32
-    python scripts/bench_tp.py --ranks 1,2,3 --threads 1 --json bench-out/tp.json
+Run from the repository root:
+
+    python -m scripts.bench_tp                                  # SmolLM2-135M, N = 1, 2, float32
+    python -m scripts.bench_tp --ranks 1,2,3 --threads 1 --json bench-out/tp.json
+
+Current figures and the commands that made them: docs/benchmarks.md.
 
 Each configuration is generate.py in its own job, greedy, batch 1, exactly --max_new_tokens new
 tokens (EOS ignored), compiled decode step (--no-compile for eager), --num_samples samples of which
 the first is dropped; the median of the rest is reported. Rows:
   single      python generate.py, --threads threads per process
   tp N        torchrun --standalone --nproc_per_node=N generate.py, OMP_NUM_THREADS=--threads
-              per rank (on a 2-core machine give 1 thread to each of 2 ranks: the ranks compete
-              for the same cores, so expect no speed-up there; N = 1 is the same code path with
-              whole shards and one-rank all-reduces)
+              per rank (ranks * threads should not exceed the cores: ranks that compete for
+              the same cores cannot speed up; N = 1 is the same code path with whole shards and
+              one-rank all-reduces)
 Memory per rank: the bytes of weights the rank holds, its anonymous resident memory after
 generation, and its peak resident memory (which also counts the pages of the memory-mapped
 checkpoint it touched while loading: page cache, reclaimable).
@@ -31,23 +35,23 @@ PROMPT = "Once upon a time, there was a little"
 
 def run(cmd: list, threads: int, timeout: float) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        sys.exit(f"error: {' '.join(map(str, cmd))} failed:\n{r.stderr[-2000:]}")
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        sys.exit(f"error: {' '.join(map(str, cmd))} failed:\n{result.stderr[-2000:]}")
 
 
-def measure(a, ranks: int) -> dict:
+def measure(args, ranks: int) -> dict:
     """ranks 0: one plain process; else torchrun with that many ranks."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "metrics.json"
-        gen = ["generate.py", "--checkpoint", a.checkpoint, "--prompt", PROMPT, "--max_new_tokens",
-               a.max_new_tokens, "--ignore_eos", "--num_samples", a.num_samples, "--dtype", a.dtype,
-               "--metrics_json", out, "--compile" if a.compile else "--no-compile"]
+        gen = ["generate.py", "--checkpoint", args.checkpoint, "--prompt", PROMPT, "--max_new_tokens",
+               args.max_new_tokens, "--ignore_eos", "--num_samples", args.num_samples, "--dtype", args.dtype,
+               "--metrics_json", out, "--compile" if args.compile else "--no-compile"]
         if ranks:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *gen]
         else:
             cmd = [sys.executable, *gen]
-        run([str(c) for c in cmd], a.threads, a.timeout)
+        run([str(c) for c in cmd], args.threads, args.timeout)
         samples = json.loads(out.read_text())[1:] or json.loads(out.read_text())
     last = samples[-1]
     row = {
@@ -67,34 +71,36 @@ def mb(xs) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "smollm2-135m")
-    p.add_argument("--ranks", default="1,2", help="torchrun world sizes to measure, comma-separated")
-    p.add_argument("--no-single", dest="single", action="store_false", help="skip the plain single-process row")
-    p.add_argument("--threads", type=int, default=1, help="threads per process (per rank)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max_new_tokens", type=int, default=128)
-    p.add_argument("--num_samples", type=int, default=3, help="samples per configuration; the first is dropped")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
-    p.add_argument("--json", type=Path, default=None, help="write the rows here")
-    a = p.parse_args(argv)
-    configs = ([0] if a.single else []) + [int(n) for n in a.ranks.split(",")]
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_tp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "smollm2-135m",
+                        help="our checkpoint directory (default: checkpoints/smollm2-135m)")
+    parser.add_argument("--ranks", default="1,2", help="torchrun world sizes to measure, comma-separated")
+    parser.add_argument("--no-single", dest="single", action="store_false", help="skip the plain single-process row")
+    parser.add_argument("--threads", type=int, default=1, help="threads per process (per rank)")
+    parser.add_argument("--dtype", default="float32", help="generate.py --dtype (default: float32)")
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--num_samples", type=int, default=3, help="samples per configuration; the first is dropped")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    configs = ([0] if args.single else []) + [int(n) for n in args.ranks.split(",")]
     rows = []
-    for n in configs:
-        print(f"measuring {'single process' if n == 0 else f'{n} ranks'}...", file=sys.stderr, flush=True)
-        rows.append(measure(a, n))
-    print(f"| config | decode tok/s | weights per rank (MB) | anon RSS per rank (MB) | peak RSS per rank (MB) "
-          f"| all-reduces / step (bytes) | all-gathers / step (bytes) |")
+    for ranks in configs:
+        print(f"measuring {'single process' if ranks == 0 else f'{ranks} ranks'}...", file=sys.stderr, flush=True)
+        rows.append(measure(args, ranks))
+    print("| config | decode tok/s | weights per rank (MB) | anon RSS per rank (MB) | peak RSS per rank (MB) "
+          "| all-reduces / step (bytes) | all-gathers / step (bytes) |")
     print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['config']} | {r['decode_tokens_per_s']:.1f} | {mb(r['weight_bytes_per_rank'])} "
-              f"| {mb(r['rss_anon_bytes_per_rank'])} | {mb(r['peak_memory_bytes_per_rank'])} "
-              f"| {r['all_reduces_per_step'] or '-'} ({r['all_reduce_bytes_per_step'] or '-'}) "
-              f"| {r['all_gathers_per_step'] or '-'} ({r['all_gather_bytes_per_step'] or '-'}) |")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(rows, indent=2))
+    for row in rows:
+        print(f"| {row['config']} | {row['decode_tokens_per_s']:.1f} | {mb(row['weight_bytes_per_rank'])} "
+              f"| {mb(row['rss_anon_bytes_per_rank'])} | {mb(row['peak_memory_bytes_per_rank'])} "
+              f"| {row['all_reduces_per_step'] or '-'} ({row['all_reduce_bytes_per_step'] or '-'}) "
+              f"| {row['all_gathers_per_step'] or '-'} ({row['all_gather_bytes_per_step'] or '-'}) |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

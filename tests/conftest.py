@@ -21,7 +21,7 @@ def run_script(*args, stdin=None, timeout=900, env=None) -> subprocess.Completed
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct in our format (`make test` prepares it; prepared here if missing)."""
     if not (SMOLLM2 / "model.safetensors").exists():
-        r = run_script(ROOT / "scripts" / "prepare.py", "smollm2-135m")
+        r = run_script("download.py", "smollm2-135m")
         assert r.returncode == 0, r.stderr
     return SMOLLM2
 

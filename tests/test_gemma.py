@@ -5,8 +5,9 @@ Tiny random Gemma 1/2/3 parity with transformers (prefill, cached decode, greedy
 shorter than prompt and generation) is in tests/test_hf_parity.py.
 
 Run: python -m pytest -q tests/test_gemma.py        (add -m slow for the transformers GGUF logits)
-     python tests/test_gemma.py --update-golden     (rewrites tests/golden/gemma3-270m.json, checked
-                                                     against transformers' greedy generate)
+     PYTHONPATH=. python tests/test_gemma.py --update-golden
+                                  (rewrites tests/golden/gemma3-270m.json, checked against
+                                   transformers' greedy generate)
 """
 import hashlib
 import json
@@ -16,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also when run as a script (--update-golden)
 from conftest import ROOT, random_model, run_script
-from generate import Chat, Engine, Sampling, load_model
+from engine import Chat, Engine, Sampling, load_model
 from model import KVCache, ModelArgs, RingKVCache, Transformer
 
 GEMMA3 = ROOT / "checkpoints" / "gemma3-270m"
@@ -201,16 +201,15 @@ def test_gemma3_multimodal_checkpoint_converts_its_text_decoder(tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma3_dir() -> Path:
-    """Gemma 3 270M in our format (prepared by scripts/prepare.py if missing)."""
+    """Gemma 3 270M in our format (made by download.py if missing)."""
     if not (GEMMA3 / "model.safetensors").exists():
-        r = run_script(ROOT / "scripts" / "prepare.py", "gemma3-270m")
+        r = run_script("download.py", "gemma3-270m")
         assert r.returncode == 0, f"cannot prepare gemma3-270m: {r.stderr.strip()[-500:]}"
     return GEMMA3
 
 
 def gguf_path() -> Path:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from prepare import fetch_gguf
+    from download import fetch_gguf
     return fetch_gguf("gemma3-270m")
 
 

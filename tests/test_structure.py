@@ -2,7 +2,9 @@
 imports a command line, model.py importing nothing of the project, no sys.path edits."""
 import ast
 
-from conftest import ROOT
+import pytest
+
+from conftest import ROOT, run_script
 
 COMMAND_LINES = {"generate", "download", "quantize", "eval", "convert_hf_checkpoint"}
 # modules whose command line is a thin `main` over importable functions: libraries may use those
@@ -71,3 +73,13 @@ def test_nothing_edits_sys_path():
     for path in [*ROOT.glob("*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]:
         text = path.read_text()
         assert not any(f"sys.path.{edit}(" in text for edit in ("insert", "append")), path.name
+
+
+SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_runs_as_a_module_from_the_root(script):
+    r = run_script("-m", f"scripts.{script}", "--help")
+    assert r.returncode == 0, r.stderr
+    assert f"scripts.{script}" in r.stdout  # its usage names the way it is run

