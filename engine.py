@@ -68,8 +68,9 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_
         quantize.use_quantized_layers(model, args.quantization)
     if tp is not None:
         tp.shard_modules(model)  # shrink the sharded layers to this rank's part
+    keep_dtype = quantize.float_tensor_names(model)  # a quantized layer's scales and zeros
     state = checkpoint.read_weights(checkpoint_dir, checkpoint.expected_shapes(model), device, dtype,
-                                    keep_dtype=quantize.keeps_dtype, read=tp.read if tp is not None else None)
+                                    keep_dtype=keep_dtype.__contains__, read=tp.read if tp is not None else None)
     model.load_state_dict(state, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight

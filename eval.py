@@ -13,41 +13,46 @@ SmolLM2 tokens), see data/README.md.
 import argparse
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine import load_model, log, parse_device, parse_dtype
+from errors import UserError, run_cli
+from tokenizer import Tokenizer
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
 
 
 @torch.inference_mode()
-def perplexity(model, ids: list, window: int, stride: int, log=None, chunk: int = 0) -> tuple[float, int]:
+def perplexity(model, ids: list, window: int, stride: int, chunk: int = 0,
+               progress: bool = False) -> tuple[float, int]:
     """(perplexity, tokens scored) of the token ids under the model. chunk > 0: each window goes
-    through the model `chunk` tokens at a time, through the KV cache, as decoding does."""
+    through the model `chunk` tokens at a time, through the KV cache, as decoding does. progress:
+    a bar over the windows on stderr, when it is a terminal."""
     model.setup_caches(1, window)
     device = model.norm.weight.device
     nll, scored, next_target = 0.0, 0, 1  # token 0 has no context and is never predicted
     starts = list(range(0, max(len(ids) - 1, 1), stride))
-    t0 = time.perf_counter()
-    for i, begin in enumerate(starts):
-        end = min(begin + window, len(ids))
-        tokens = torch.tensor([ids[begin:end]], device=device)
-        step = chunk or end - begin
-        logits = torch.cat([model(tokens[:, c:c + step], torch.arange(c, min(c + step, end - begin), device=device))[0]
-                            for c in range(0, end - begin, step)])  # (T, vocab), float32
-        first = max(next_target, begin + 1)  # first position this window scores
-        targets = torch.tensor(ids[first:end], device=device)
-        nll += F.cross_entropy(logits[first - 1 - begin:end - 1 - begin], targets, reduction="sum").item()
-        scored += end - first
-        next_target = end
-        if log:
-            rate = scored / (time.perf_counter() - t0)
-            log(f"[{i + 1}/{len(starts)}] {scored} tokens scored, perplexity so far {math.exp(nll / scored):.3f} "
-                f"({rate:.0f} tokens/s)")
-        if end == len(ids):
-            break
+    with tqdm(starts, desc="perplexity", unit="window", file=sys.stderr,
+              disable=not (progress and sys.stderr.isatty())) as bar:
+        for begin in bar:
+            end = min(begin + window, len(ids))
+            tokens = torch.tensor([ids[begin:end]], device=device)
+            length = end - begin
+            step = chunk or length
+            logits = torch.cat([model(tokens[:, c:c + step], torch.arange(c, min(c + step, length), device=device))[0]
+                                for c in range(0, length, step)])  # (T, vocab), float32
+            first = max(next_target, begin + 1)  # first position this window scores
+            targets = torch.tensor(ids[first:end], device=device)
+            nll += F.cross_entropy(logits[first - 1 - begin:end - 1 - begin], targets, reduction="sum").item()
+            scored += end - first
+            next_target = end
+            bar.set_postfix(perplexity=f"{math.exp(nll / scored):.3f}", refresh=False)
+            if end == len(ids):
+                break
     return math.exp(nll / scored), scored
 
 
@@ -67,45 +72,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    from generate import UserError, load_model, log, parse_device, parse_dtype
-    a = build_parser().parse_args(argv)
-    if a.window < 2 or not 1 <= a.stride <= a.window:
+    args = build_parser().parse_args(argv)
+    if args.window < 2 or not 1 <= args.stride <= args.window:
         raise UserError("--window must be at least 2 and --stride between 1 and --window")
-    if a.chunk < 0:
+    if args.chunk < 0:
         raise UserError("--chunk must be 0 (whole windows) or a positive number of tokens")
-    if a.max_tokens is not None and a.max_tokens < 2:
+    if args.max_tokens is not None and args.max_tokens < 2:
         raise UserError("--max_tokens must be at least 2")
-    device, dtype = parse_device(a.device), parse_dtype(a.dtype)
-    if not a.text.is_file():
-        raise UserError(f"text file {a.text} not found")
-    from tokenizer import Tokenizer, TokenizerError
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    if not args.text.is_file():
+        raise UserError(f"text file {args.text} not found")
+    tokenizer = Tokenizer(args.checkpoint)
     try:
-        tok = Tokenizer(a.checkpoint)
-    except TokenizerError as e:
-        raise UserError(str(e)) from None
-    try:
-        text = a.text.read_text(encoding="utf-8")
+        text = args.text.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise UserError(f"{a.text} is not UTF-8 text") from None
-    ids = tok.encode(text)[:a.max_tokens]
+        raise UserError(f"{args.text} is not UTF-8 text") from None
+    ids = tokenizer.encode(text)[:args.max_tokens]
     if len(ids) < 2:
-        raise UserError(f"{a.text} has fewer than 2 tokens")
-    model = load_model(a.checkpoint, device, dtype)
-    q = model.args.quantization
-    log(f"{a.checkpoint} ({q['mode'] if q else a.dtype}): {len(ids)} tokens of {a.text}, "
-        f"window {a.window}, stride {a.stride}" + (f", {a.chunk} tokens a forward" if a.chunk else ""))
-    ppl, n = perplexity(model, ids, a.window, a.stride, log, a.chunk)
-    log(f"{n} tokens scored")
+        raise UserError(f"{args.text} has fewer than 2 tokens")
+    model = load_model(args.checkpoint, device, dtype)
+    scheme = model.args.quantization
+    log(f"{args.checkpoint} ({scheme['mode'] if scheme else args.dtype}): {len(ids)} tokens of {args.text}, "
+        f"window {args.window}, stride {args.stride}" + (f", {args.chunk} tokens a forward" if args.chunk else ""))
+    ppl, scored = perplexity(model, ids, args.window, args.stride, args.chunk, progress=True)
+    log(f"{scored} tokens scored")
     print(f"perplexity {ppl:.3f}")
 
 
 if __name__ == "__main__":
-    from generate import UserError
-    from model import ConfigError
-    try:
-        main()
-    except (UserError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_cli(main)

@@ -20,36 +20,36 @@ On disk (device-independent: made on CPU, runs on CUDA and the other way round):
 The linear layers of every block follow the mode. The output head is int8 in every mode: an
 error there lands on the logits directly (llama.cpp likewise keeps the head at 6 bits or more
 in its 4-bit files). The token embedding (a lookup reads one row, but it is the biggest single
-tensor: 21% of SmolLM2) is int8 per row, except in int4 modes when the head is untied
-(Qwen2.5): there the table goes int4 in groups, which pays for the int8 head (the file stays
-under 18% of float32). A tied head shares the int8 table. Norms and biases stay in float.
-config.json's "quantization" records each choice ("embedding", "output").
+tensor) is int8 per row, except in int4 modes when the head is untied (Qwen2.5): there the
+table goes int4 in groups, which pays for the int8 head. A tied head shares the int8 table.
+Norms and biases stay in float. config.json's "quantization" records each choice ("embedding",
+"output").
 
-At load time prepare_for_device() repacks the integers for the kernel: see pack_int8/pack_int4.
+`SCHEMES` is the table of modes: each names a `Format` (how one matrix is stored, and the layers
+that read it) for the blocks, the head and the embedding. A new scheme is a new Format (its
+layers, subclasses of `QuantizedLayer`, and its quantizer) and a row of SCHEMES; load_model and
+tp.py ask the layers what they need. At load time prepare_for_device() repacks the integers for
+the kernel: see pack_int8/pack_int4.
 """
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
+import checkpoint
 import kernels
-from model import ConfigError, ModelArgs, realized
+import tp
+from errors import QuantizeError, run_cli
 
-MODES = ("int8", "int4", "int4-gptq")
 GROUPSIZES = (32, 64, 128, 256)  # the int4 kernel handles 32 and multiples of 64
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "macbeth.txt"
-
-
-class QuantizeError(Exception):
-    """Bad input for quantization; the message is one line meant for the user."""
 
 
 # ---------------------------------------------------------------- quantizing a matrix
@@ -82,8 +82,7 @@ def int4_group_params(w: Tensor) -> tuple[Tensor, Tensor]:
     search only picks the grid. Candidates: the group's min..max in 15 steps, and for steps
     of 14..16 across that range, the integers they round to with the scale and zero fitted to
     them by least squares (the idea of llama.cpp's k-quants). A grid that clips the extremes
-    a little buys a finer step for every other weight: 27% less squared error over
-    Qwen2.5-Coder-0.5B's layers at g32 than min..max."""
+    a little buys a finer step for every other weight."""
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     best_s, best_z = ((hi - lo) / 15).clamp(min=1e-6).half().float(), lo.half().float()
     best_err = int4_error(w, best_s, best_z)
@@ -120,8 +119,7 @@ def quantize_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
     w = pad_columns(w.float(), groupsize)
     out, width = w.shape
     groups = w.view(out, width // groupsize, groupsize)
-    # a few hundred rows at a time: the search's temporaries stay in cache rather than in fresh
-    # pages (a 4864x896 layer: 0.43 s against 1.48 s whole; one-off timing)
+    # a few hundred rows at a time: the search's temporaries stay in cache rather than in fresh pages
     params = [int4_group_params(rows) for rows in groups.split(256)]
     scales, zeros = torch.cat([s for s, _ in params]), torch.cat([z for _, z in params])
     q = int4_round(groups, scales[..., None], zeros[..., None])
@@ -195,7 +193,7 @@ def gptq_int4(w: Tensor, H: Tensor, groupsize: int, percdamp: float = 0.01,
 # The decode step is one matrix-vector product per layer. Inductor compiles our unpacking
 # expression below into one vectorized C++ reduction per layer (a Triton kernel on CUDA), but
 # only when the integers come in 32-bit lanes read as float32: its int8/int32 vector loads
-# copy through a stack buffer and ran 4x slower. So each row is stored as blocks of 8 int32
+# copy through a stack buffer. So each row is stored as blocks of 8 int32
 # lanes; lane l of block b holds, in its k-th 8 (int8) or 4 (int4) bits, the column
 # 8*k + l of the block (32 or 64 columns), and a left shift then an arithmetic right shift
 # extract it. Eight consecutive lanes are eight consecutive columns, so the activations are
@@ -267,9 +265,9 @@ def unpack_int4(packed: Tensor, split: int = 1) -> Tensor:
     return (packed.view(torch.int32)[..., None, None, :] << shifts) >> 28
 
 
-def use_kernel(x: Tensor) -> bool:
-    # a compiled matrix-vector product (batch-1 decode) is the expression below, fused by inductor
-    # with the rest of the layer
+def compiled_matvec(x: Tensor) -> bool:
+    """Whether x (one token, being compiled) goes through the unpacking expression, which inductor
+    fuses with the rest of the layer, rather than a dequantized weight."""
     return torch.compiler.is_compiling() and x.shape[:-1].numel() == 1
 
 
@@ -278,22 +276,38 @@ def padded_tokens(x: Tensor, width: int) -> Tensor:
     return F.pad(x.reshape(-1, x.shape[-1]).float(), (0, width - x.shape[-1]))
 
 
-class PackedLinear(nn.Module):
+class QuantizedLayer(nn.Module):
+    """What load_model and tp.py ask of a quantized layer (a linear layer or an embedding)."""
+    float_tensors: tuple = ("scales",)  # float tensors that keep their stored dtype whatever the model's
+    split_unit: int = 1  # input features that a tensor-parallel row-wise split keeps together
+
+    @classmethod
+    def like(cls, module: nn.Module, groupsize: Optional[int]) -> "QuantizedLayer":
+        """An empty layer (weights still to load) with the shape of a float nn.Linear or nn.Embedding."""
+        raise NotImplementedError
+
+    def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
+        """After loading: repack the integers for this device's kernel (a tensor in `cache`, keyed
+        by id, is packed once for every layer holding it); dtype is the model's activations'."""
+        raise NotImplementedError
+
+
+class PackedLinear(QuantizedLayer):
     """What the int8 and int4 linears share: the choice of path, by layout and token count.
     A subclass's pack() sets `cpu_kernel_layout` and `width` (the padded input width), and it
     gives `cpu_kernel` (kernels.py, CPU), `matvec` (the unpacking expression for one compiled
     token, lanes layout) and `dequantized` (everything else).
     - CPU with kernels.py: up to 16 tokens (decode, a verify, a short prompt), compiled or not,
-      go through kernels.py's int8-activation loop; inductor's fused expression was compute-bound
-      at about 9 GB/s of int8 weights.
+      go through kernels.py's int8-activation loop, which reads the weights faster than
+      inductor's fused expression.
     - CUDA, or a CPU without the kernels: one compiled token is the unpacking expression.
     - Otherwise (longer prompts, eager CUDA) the layer dequantizes its weight for the float matmul."""
 
     def forward(self, x: Tensor) -> Tensor:
         if self.cpu_kernel_layout and x.shape[:-1].numel() <= kernels.MAX_TOKENS:
             y = self.cpu_kernel(padded_tokens(x, self.width))  # (tokens, out) float32
-        elif not self.cpu_kernel_layout and use_kernel(x):
-            y = self.matvec(realized(padded_tokens(x, self.width)))
+        elif not self.cpu_kernel_layout and compiled_matvec(x):
+            y = self.matvec(kernels.materialize(padded_tokens(x, self.width)))
         else:
             y = F.linear(x, self.dequantized(x.dtype))
         y = y.to(x.dtype).view(*x.shape[:-1], -1)
@@ -311,7 +325,11 @@ class Int8Linear(PackedLinear):
         self.register_buffer("bias", torch.empty(out_features) if bias else None)
         self.register_buffer("packed", None, persistent=False)  # made by pack() after loading
 
-    def pack(self, cache: dict):
+    @classmethod
+    def like(cls, linear: nn.Linear, groupsize: Optional[int] = None) -> "Int8Linear":
+        return cls(linear.in_features, linear.out_features, linear.bias is not None)
+
+    def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
         self.cpu_kernel_layout = for_cpu_kernel(self.weight)
         self.packed = cached_pack(cache, self.weight, pack_int8_for_device)
         self.scales = self.scales.float()
@@ -337,6 +355,7 @@ class Int8Linear(PackedLinear):
 
 class Int4Linear(PackedLinear):
     """y = x W^T (+ bias), W = q * scale + zero per group of `groupsize` inputs, q in 0..15."""
+    float_tensors = ("scales", "zeros")
 
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
         super().__init__()
@@ -348,7 +367,15 @@ class Int4Linear(PackedLinear):
         self.register_buffer("bias", torch.empty(out_features) if bias else None)
         self.register_buffer("packed", None, persistent=False)  # made by pack() after loading
 
-    def pack(self, cache: dict):
+    @classmethod
+    def like(cls, linear: nn.Linear, groupsize: Optional[int]) -> "Int4Linear":
+        return cls(linear.in_features, linear.out_features, groupsize, linear.bias is not None)
+
+    @property
+    def split_unit(self) -> int:  # a group's scale and zero cover its inputs: a split keeps groups whole
+        return self.groupsize
+
+    def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
         self.out_features = self.weight.shape[0]
         self.cpu_kernel_layout = for_cpu_kernel(self.weight)
         if self.cpu_kernel_layout:
@@ -402,9 +429,10 @@ class Int4Linear(PackedLinear):
         return kernels.q4_linear(xp, self.packed, self.scales, self.zeros, self.groupsize)
 
 
-class Int4Embedding(nn.Module):
+class Int4Embedding(QuantizedLayer):
     """Token embedding stored like Int4Linear's weight (int4 in groups along the row), for an
     untied model in int4 mode. A lookup unpacks the few rows it reads; no kernel layout."""
+    float_tensors = ("scales", "zeros")
 
     def __init__(self, num_embeddings: int, embedding_dim: int, groupsize: int):
         super().__init__()
@@ -414,7 +442,11 @@ class Int4Embedding(nn.Module):
         self.register_buffer("zeros", torch.empty(num_embeddings, width // groupsize, dtype=torch.float16))
         self.dtype = torch.float32
 
-    def pack(self, cache: dict, dtype: torch.dtype):
+    @classmethod
+    def like(cls, embedding: nn.Embedding, groupsize: Optional[int]) -> "Int4Embedding":
+        return cls(embedding.num_embeddings, embedding.embedding_dim, groupsize)
+
+    def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
         self.dtype = dtype  # the model's activations
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -423,7 +455,7 @@ class Int4Embedding(nn.Module):
         return rows[:, :self.embedding_dim].reshape(*tokens.shape, -1).to(self.dtype)
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(QuantizedLayer):
     """Token embedding stored int8 per row (a row is one token's vector)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
@@ -434,7 +466,11 @@ class Int8Embedding(nn.Module):
         self.register_buffer("packed", None, persistent=False)  # made by pack() after loading
         self.dtype = torch.float32
 
-    def pack(self, cache: dict, dtype: torch.dtype):
+    @classmethod
+    def like(cls, embedding: nn.Embedding, groupsize: Optional[int] = None) -> "Int8Embedding":
+        return cls(embedding.num_embeddings, embedding.embedding_dim)
+
+    def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
         # a tied head reads the same packed rows, so the embedding takes the head's layout
         self.dtype = dtype  # the model's activations
         self.cpu_kernel_layout = for_cpu_kernel(self.weight)
@@ -461,88 +497,130 @@ def cached_pack(cache: dict, weight: Tensor, fn) -> Tensor:
     return cache[key][1]
 
 
-# ---------------------------------------------------------------- applying to a model
+# ---------------------------------------------------------------- the table of schemes
+
+def int8_tensors(w: Tensor, groupsize: Optional[int] = None) -> dict:
+    q, scales = quantize_int8(w)
+    return {"weight": q, "scales": scales}
+
+
+def int4_tensors(q: Tensor, scales: Tensor, zeros: Tensor) -> dict:
+    return {"weight": nibbles_to_bytes(q), "scales": scales.half(), "zeros": zeros.half()}
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one weight matrix is stored, and the layers that read it."""
+    name: str  # what config.json records for the head and the embedding
+    linear: type  # the QuantizedLayer replacing an nn.Linear
+    embedding: type  # the QuantizedLayer replacing the nn.Embedding (same tensors: a tied head shares them)
+    quantize: Callable[[Tensor, Optional[int]], dict]  # (float weight (out, in), groupsize) -> tensors by name
+    gptq: Optional[Callable[[Tensor, Tensor, int], dict]] = None  # (weight, Hessian, groupsize) -> the same
+    grouped: bool = False  # takes --groupsize
+
+
+INT8 = Format("int8", Int8Linear, Int8Embedding, int8_tensors)
+INT4 = Format("int4", Int4Linear, Int4Embedding,
+              quantize=lambda w, groupsize: int4_tensors(*quantize_int4(w, groupsize)),
+              gptq=lambda w, hessian, groupsize: int4_tensors(*gptq_int4(w, hessian, groupsize)),
+              grouped=True)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One --mode: the format of each kind of layer (see the module docstring for why)."""
+    blocks: Format  # every linear layer of the blocks
+    head: Format  # the output head
+    embedding: Format  # the token embedding of an untied model; a tied one shares the head's tensors
+    gptq: bool = False  # the blocks' layers calibrated with GPTQ, else rounded to nearest
+
+    @property
+    def grouped(self) -> bool:
+        return any(f.grouped for f in (self.blocks, self.head, self.embedding))
+
+
+SCHEMES = {
+    "int8": Scheme(blocks=INT8, head=INT8, embedding=INT8),
+    "int4": Scheme(blocks=INT4, head=INT8, embedding=INT4),
+    "int4-gptq": Scheme(blocks=INT4, head=INT8, embedding=INT4, gptq=True),
+}
+
 
 def linear_names(model) -> list:
-    """Names of the linear layers quantize.py quantizes, block by block, then the head."""
-    names = []
-    for i in range(len(model.layers)):
-        names += [f"layers.{i}.attention.wqkv", f"layers.{i}.attention.wo",
-                  f"layers.{i}.feed_forward.w1", f"layers.{i}.feed_forward.w3", f"layers.{i}.feed_forward.w2"]
-    return names + ["output"]
+    """The linear layers, block by block, then the head: the modules tp.PLAN splits, but the embedding."""
+    return [name for name, _ in model.named_modules() if tp.plan_kind(name) not in (None, "vocab_embedding")]
 
 
-def check_scheme(q: dict):
-    mode = q.get("mode")
-    if mode not in MODES:
-        raise QuantizeError(f"unknown quantization mode {mode!r} (this version knows {', '.join(MODES)})")
-    for part in ("embedding", "output"):
-        if q.get(part, "int8") not in ("int8", "int4") or (q.get(part) == "int4" and mode == "int8"):
-            raise QuantizeError(f"unsupported quantization of the {part}: {q.get(part)!r}")
-    if mode != "int8" and q.get("groupsize") not in GROUPSIZES:
-        raise QuantizeError(f"unsupported int4 group size {q.get('groupsize')!r} "
+def layer_format(scheme: Scheme, args, name: str) -> Format:
+    """The format of a linear layer (a name of linear_names) or of "tok_embeddings"."""
+    if name == "output" or (name == "tok_embeddings" and args.tie_word_embeddings):
+        return scheme.head
+    return scheme.embedding if name == "tok_embeddings" else scheme.blocks
+
+
+def check_scheme(recorded: dict, args) -> Scheme:
+    """The Scheme of a checkpoint's config.json "quantization", which must be one quantize.py makes."""
+    mode = recorded.get("mode")
+    if mode not in SCHEMES:
+        raise QuantizeError(f"unknown quantization mode {mode!r} (this version knows {', '.join(SCHEMES)})")
+    scheme = SCHEMES[mode]
+    for part, name in (("embedding", "tok_embeddings"), ("output", "output")):
+        made = layer_format(scheme, args, name).name
+        if recorded.get(part, made) != made:
+            raise QuantizeError(f"unsupported quantization of the {part}: {recorded[part]!r} "
+                                f"(mode {mode} makes it {made})")
+    if scheme.grouped and recorded.get("groupsize") not in GROUPSIZES:
+        raise QuantizeError(f"unsupported int4 group size {recorded.get('groupsize')!r} "
                             f"(choose from {', '.join(map(str, GROUPSIZES))})")
+    return scheme
 
 
-def layer_kind(args, mode: str, name: str) -> str:
-    """int8 or int4 for one linear layer, or for "tok_embeddings" (see the module docstring)."""
-    if name == "output":
-        return "int8"
-    if name == "tok_embeddings":
-        return "int4" if mode != "int8" and not args.tie_word_embeddings else "int8"
-    return "int8" if mode == "int8" else "int4"
-
-
-def use_quantized_layers(model, q: dict):
+def use_quantized_layers(model, recorded: dict):
     """Swap the model's float layers for quantized ones of the same names (on the meta device,
     before the weights are read): what load_model does for a quantized checkpoint."""
-    check_scheme(q)
-    for name in linear_names(model):
+    scheme = check_scheme(recorded, model.args)
+    for name in linear_names(model) + ["tok_embeddings"]:
         parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, attr)
-        if scheme_kind(model.args, q, name) == "int8":
-            new = Int8Linear(old.in_features, old.out_features, old.bias is not None)
-        else:
-            new = Int4Linear(old.in_features, old.out_features, q["groupsize"], old.bias is not None)
-        setattr(parent, attr, new)
-    if scheme_kind(model.args, q, "tok_embeddings") == "int8":
-        model.tok_embeddings = Int8Embedding(model.args.vocab_size, model.args.dim)
-    else:
-        model.tok_embeddings = Int4Embedding(model.args.vocab_size, model.args.dim, q["groupsize"])
+        parent = model.get_submodule(parent_name)
+        fmt = layer_format(scheme, model.args, name)
+        layer = fmt.embedding if name == "tok_embeddings" else fmt.linear
+        setattr(parent, attr, layer.like(getattr(parent, attr), recorded.get("groupsize")))
 
 
-def scheme_kind(args, q: dict, name: str) -> str:
-    """What a checkpoint's config.json recorded for the head and the embedding (files from before
-    session 9 have an int4 head when untied), else what quantize.py makes."""
-    recorded = {"output": q.get("output"), "tok_embeddings": q.get("embedding")}.get(name)
-    return recorded or layer_kind(args, q["mode"], name)
-
-
-def tie_scales(model):
-    """A tied head reads the embedding's int8 rows: share its scales too (load_model ties weight)."""
-    model.output.scales = model.tok_embeddings.scales
+def float_tensor_names(model) -> set:
+    """The float tensors of the quantized layers (scales, zeros), which keep their stored dtype."""
+    return {f"{name}.{tensor}" for name, module in model.named_modules() if isinstance(module, QuantizedLayer)
+            for tensor in module.float_tensors}
 
 
 def prepare_for_device(model):
-    """Repack every quantized layer's integers for the kernel, on the device they were loaded to,
-    and make them Parameters (no gradient). Under skip_guard_eval_unsafe TorchDynamo still
-    checks the shape, strides and dtype of every input tensor that is not a Parameter, on every
-    call: for SmolLM2 int8 ~300 checks, about 1 ms of a 9 ms token."""
+    """Tie a tied head's scales to the embedding's (load_model has tied the weight), repack every
+    quantized layer's integers for the kernel, on the device they were loaded to, and make them
+    Parameters (no gradient): under skip_guard_eval_unsafe TorchDynamo still checks the shape,
+    strides and dtype of every input tensor that is not a Parameter, on every call."""
+    if model.args.tie_word_embeddings:  # the head reads the embedding's int8 rows: their scales too
+        model.output.scales = model.tok_embeddings.scales
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLayer)]
     cache = {}
-    for m in model.modules():
-        if isinstance(m, (Int8Linear, Int4Linear)):
-            m.pack(cache)
-    model.tok_embeddings.pack(cache, model.norm.weight.dtype)
+    for layer in layers:
+        layer.pack(cache, model.norm.weight.dtype)
     frozen = {}  # a tied head and embedding share tensors: one Parameter each, so they stay shared
-    for m in model.modules():
-        if isinstance(m, (Int8Linear, Int4Linear, Int8Embedding, Int4Embedding)):
-            for name, t in list(m._buffers.items()):
-                if t is not None:
-                    if id(t) not in frozen:  # keep t too, so that its id is not reused
-                        frozen[id(t)] = (t, nn.Parameter(t, requires_grad=False))
-                    del m._buffers[name]
-                    m.register_parameter(name, frozen[id(t)][1])
+    for layer in layers:
+        for name, t in list(layer._buffers.items()):
+            if t is not None:
+                if id(t) not in frozen:  # keep t too, so that its id is not reused
+                    frozen[id(t)] = (t, nn.Parameter(t, requires_grad=False))
+                del layer._buffers[name]
+                layer.register_parameter(name, frozen[id(t)][1])
+
+
+def log(message: str):
+    tqdm.write(message, file=sys.stderr)
+
+
+def progress(items, desc: str, unit: str):
+    """A progress bar on stderr, shown only when stderr is a terminal."""
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty())
 
 
 # ---------------------------------------------------------------- calibration for GPTQ
@@ -567,13 +645,11 @@ def collect_hessians(model, names: list, calibration: list) -> dict:
     try:
         longest = max(len(ids) for ids in calibration)
         model.setup_caches(1, longest)
-        for i, ids in enumerate(calibration):
-            tokens = torch.tensor([ids])
-            model(tokens, torch.arange(len(ids)))
-            print(f"calibration {i + 1}/{len(calibration)}", file=sys.stderr, flush=True)
+        for ids in progress(calibration, "calibration", "seq"):
+            model(torch.tensor([ids]), torch.arange(len(ids)))
     finally:
-        for h in hooks:
-            h.remove()
+        for handle in hooks:
+            handle.remove()
     return hessians
 
 
@@ -587,39 +663,32 @@ def calibration_sequences(tokenizer, path: Path, n: int, length: int) -> list:
 
 # ---------------------------------------------------------------- quantizing a checkpoint
 
-def quantize_state(model, mode: str, groupsize: int, hessians: Optional[dict] = None, log=None) -> dict:
-    """The quantized checkpoint's tensors from a float model's."""
-    state = {k: v for k, v in model.state_dict().items()}
-    args = model.args
-    if args.tie_word_embeddings:
+def quantize_state(model, mode: str, groupsize: int, hessians: Optional[dict] = None) -> dict:
+    """The quantized checkpoint's tensors from a float model's; GPTQ for the layers in `hessians`."""
+    scheme, args = SCHEMES[mode], model.args
+    state = dict(model.state_dict())
+    names = ["tok_embeddings"] + linear_names(model)
+    if args.tie_word_embeddings:  # the head is the embedding
         state.pop("output.weight", None)
-    out = {}
-    names = linear_names(model)
-    if args.tie_word_embeddings:
         names.remove("output")
-    for i, name in enumerate(["tok_embeddings"] + names):
+    out = {}
+    for name in progress(names, "GPTQ" if hessians else "quantizing", "layer"):
         w = state.pop(f"{name}.weight")
-        kind = layer_kind(args, mode, name)
-        if kind == "int8":
-            out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int8(w)
+        fmt = layer_format(scheme, args, name)
+        if fmt.grouped and groupsize > w.shape[1]:
+            raise QuantizeError(f"group size {groupsize} is larger than {name}'s {w.shape[1]} inputs")
+        if hessians is not None and name in hessians:
+            tensors = fmt.gptq(w, hessians[name], groupsize)
         else:
-            if groupsize > w.shape[1]:
-                raise QuantizeError(f"group size {groupsize} is larger than {name}'s {w.shape[1]} inputs")
-            if hessians is not None and name in hessians:
-                q, s, z = gptq_int4(w, hessians[name], groupsize)
-            else:
-                q, s, z = quantize_int4(w, groupsize)
-            out[f"{name}.weight"] = nibbles_to_bytes(q)
-            out[f"{name}.scales"], out[f"{name}.zeros"] = s.half(), z.half()
-        if log:
-            log(f"quantized {name} ({kind}) [{i + 1}/{len(names) + 1}]")
+            tensors = fmt.quantize(w, groupsize)
+        out.update({f"{name}.{tensor}": t for tensor, t in tensors.items()})
     out.update(state)  # norms and biases stay float
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def default_out(checkpoint: Path, mode: str, groupsize: int) -> Path:
-    suffix = mode if mode == "int8" else f"{mode}-g{groupsize}"
-    return checkpoint.parent / f"{checkpoint.name}-{suffix}"
+def default_out(checkpoint_dir: Path, mode: str, groupsize: int) -> Path:
+    suffix = f"{mode}-g{groupsize}" if SCHEMES[mode].grouped else mode
+    return checkpoint_dir.parent / f"{checkpoint_dir.name}-{suffix}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -627,11 +696,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quantize a float checkpoint's weights to int8 or int4; writes a new checkpoint directory.",
         epilog="int8: symmetric per output channel. int4: asymmetric per group of --groupsize inputs, "
                "round to nearest. int4-gptq: int4 with GPTQ error compensation, calibrated on "
-               "--calibration (default: data/macbeth.txt, public domain). The token embedding is "
-               "int8 in every mode. Run generate.py / eval.py on the output like on any checkpoint.")
+               "--calibration (default: data/macbeth.txt, public domain). The output head is int8 in "
+               "every mode. Run generate.py / eval.py on the output like on any checkpoint.")
     p.add_argument("--checkpoint", type=Path, required=True, help="float checkpoint directory")
-    p.add_argument("--mode", required=True, help="int8, int4 or int4-gptq")
-    p.add_argument("--groupsize", type=int, default=32, help="int4: inputs per scale/zero, 32, 64, 128 or 256")
+    p.add_argument("--mode", required=True, help=", ".join(SCHEMES))
+    p.add_argument("--groupsize", type=int, default=32,
+                   help=f"int4: inputs per scale/zero, one of {', '.join(map(str, GROUPSIZES))}")
     p.add_argument("--out", type=Path, default=None,
                    help="output directory (default: <checkpoint>-int8, -int4-g32, -int4-gptq-g32)")
     p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, help="int4-gptq: calibration text file")
@@ -642,86 +712,54 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    a = build_parser().parse_args(argv)
-    log = lambda *m: print(*m, file=sys.stderr, flush=True)  # noqa: E731
-    if a.mode not in MODES:
-        raise QuantizeError(f"unknown --mode {a.mode!r} (choose {', '.join(MODES)})")
-    if a.mode != "int8" and a.groupsize not in GROUPSIZES:
-        raise QuantizeError(f"--groupsize {a.groupsize} is not supported (choose {', '.join(map(str, GROUPSIZES))})")
-    if a.mode == "int4-gptq" and not a.calibration.is_file():
-        raise QuantizeError(f"calibration file {a.calibration} not found")
-    from generate import UserError, load_model
-    try:
-        args = ModelArgs.from_json(a.checkpoint / "config.json")
-    except FileNotFoundError:
-        raise QuantizeError(f"{a.checkpoint} is not a checkpoint directory (no config.json)") from None
-    except (ConfigError, TypeError) as e:
-        raise QuantizeError(f"{a.checkpoint}/config.json: {e}") from None
-    if args.quantization:
-        raise QuantizeError(f"{a.checkpoint} is already quantized ({args.quantization.get('mode')}); "
+    args = build_parser().parse_args(argv)
+    scheme = SCHEMES.get(args.mode)
+    if scheme is None:
+        raise QuantizeError(f"unknown --mode {args.mode!r} (choose {', '.join(SCHEMES)})")
+    if scheme.grouped and args.groupsize not in GROUPSIZES:
+        raise QuantizeError(f"--groupsize {args.groupsize} is not supported "
+                            f"(choose {', '.join(map(str, GROUPSIZES))})")
+    if scheme.gptq and not args.calibration.is_file():
+        raise QuantizeError(f"calibration file {args.calibration} not found")
+    config = checkpoint.read_config(args.checkpoint)
+    if config.quantization:
+        raise QuantizeError(f"{args.checkpoint} is already quantized ({config.quantization.get('mode')}); "
                             "quantize the float checkpoint it came from")
-    out = a.out or default_out(a.checkpoint, a.mode, a.groupsize)
-    if out.exists() and not a.force:
+    out = args.out or default_out(args.checkpoint, args.mode, args.groupsize)
+    if out.exists() and not args.force:
         raise QuantizeError(f"{out} exists (pass --force to replace it)")
-    try:
-        model = load_model(a.checkpoint, "cpu", torch.float32)
-    except UserError as e:
-        raise QuantizeError(str(e)) from None
+    model = checkpoint.read_model(args.checkpoint)
 
     hessians = None
-    if a.mode == "int4-gptq":
+    if scheme.gptq:
         from tokenizer import Tokenizer
-        seqs = calibration_sequences(Tokenizer(a.checkpoint), a.calibration, a.calibration_samples,
-                                     a.calibration_length)
-        names = [n for n in linear_names(model) if layer_kind(args, a.mode, n) == "int4"]
-        log(f"GPTQ: collecting layer inputs over {len(seqs)} x {a.calibration_length} tokens of {a.calibration}")
-        hessians = collect_hessians(model, names, seqs)
+        sequences = calibration_sequences(Tokenizer(args.checkpoint), args.calibration, args.calibration_samples,
+                                          args.calibration_length)
+        names = [name for name in linear_names(model) if layer_format(scheme, config, name).gptq]
+        log(f"GPTQ: collecting layer inputs over {len(sequences)} x {args.calibration_length} tokens "
+            f"of {args.calibration}")
+        hessians = collect_hessians(model, names, sequences)
     with torch.no_grad():
-        state = quantize_state(model, a.mode, a.groupsize, hessians, log)
-    scheme = {"mode": a.mode, "embedding": layer_kind(args, a.mode, "tok_embeddings"),
-              "output": layer_kind(args, a.mode, "output")}
-    if a.mode != "int8":
-        scheme["groupsize"] = a.groupsize
+        state = quantize_state(model, args.mode, args.groupsize, hessians)
+    record = {"mode": args.mode, "embedding": layer_format(scheme, config, "tok_embeddings").name,
+              "output": layer_format(scheme, config, "output").name}
+    if scheme.grouped:
+        record["groupsize"] = args.groupsize
         # layers whose input width the group size does not divide: zero columns pad the last group
-        scheme["padded"] = [n for n in linear_names(model) if f"{n}.zeros" in state
-                            and padded_width(model.get_submodule(n).in_features, a.groupsize)
-                            != model.get_submodule(n).in_features]
-    if a.mode == "int4-gptq":
-        scheme["calibration"] = {"file": a.calibration.name, "sequences": a.calibration_samples,
-                                 "tokens": a.calibration_length}
-    write_checkpoint(a.checkpoint, out, args, scheme, state)
-    float_bytes = (a.checkpoint / "model.safetensors").stat().st_size
-    new_bytes = (out / "model.safetensors").stat().st_size
+        record["padded"] = [name for name in linear_names(model) if layer_format(scheme, config, name).grouped
+                            and model.get_submodule(name).in_features % args.groupsize]
+    if scheme.gptq:
+        record["calibration"] = {"file": args.calibration.name, "sequences": args.calibration_samples,
+                                 "tokens": args.calibration_length}
+    others = [f.name for f in args.checkpoint.iterdir()
+              if f.is_file() and f.name not in (checkpoint.CONFIG, checkpoint.WEIGHTS)]
+    checkpoint.write_checkpoint(out, replace(config, quantization=record), state,
+                                add_files=checkpoint.copy_files(args.checkpoint, others),
+                                metadata={"quantization": json.dumps(record)})
+    float_bytes = (args.checkpoint / checkpoint.WEIGHTS).stat().st_size
+    new_bytes = (out / checkpoint.WEIGHTS).stat().st_size
     log(f"wrote {out}: {new_bytes / 1e6:.1f} MB, {100 * new_bytes / float_bytes:.1f}% of the float checkpoint")
 
 
-def write_checkpoint(src: Path, out: Path, args, scheme: dict, state: dict):
-    """Write config + weights + tokenizer files into a temporary directory, then rename it to out."""
-    from dataclasses import replace
-    from safetensors.torch import save_file
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private
-    try:
-        cfg = replace(args, quantization=scheme)
-        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "quantization": json.dumps(scheme)})
-        for f in src.iterdir():
-            if f.is_file() and f.name not in ("config.json", "model.safetensors"):
-                shutil.copy(f, tmp / f.name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except QuantizeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_cli(main)

@@ -13,8 +13,9 @@ are replicated.
 
 Quantized checkpoints (quantize.py) are split in their on-disk layout, generically: a column-wise
 layer splits every tensor along dim 0; a row-wise layer splits its 2-D tensors along dim 1 (packed
-int4 weights and group-wise scales included, at group boundaries) and replicates 1-D per-channel
-scales; a row-wise bias is kept by rank 0 only, so the all-reduce adds it once.
+int4 weights and group-wise scales included, at the group boundaries that the layer's
+`split_unit` gives) and replicates 1-D per-channel scales; a row-wise bias is kept by rank 0
+only, so the all-reduce adds it once. tp.py knows no quantization mode.
 
 model.py knows nothing of this: `shard_modules` shrinks the meta-device model's sharded tensors
 and attention head counts before loading, `read` slices each tensor from the memory-mapped
@@ -24,6 +25,7 @@ torch.compile traces into the compiled decode step.
 """
 import atexit
 import faulthandler
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -34,8 +36,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 
-# module name (or its last dotted parts) -> how its weight is split; every other tensor is replicated
+from errors import TPError, UserError
+
+# module name (or its last dotted parts) -> how its weight is split; every other tensor is replicated.
+# Every linear layer of a Transformer is here: quantize.py quantizes these (all but the embedding).
 PLAN = {
     "attention.wqkv": "colwise_heads",  # q, k and v row blocks, each split by heads
     "attention.wo": "rowwise_heads",  # input features are the heads' outputs
@@ -54,11 +60,18 @@ def plan_kind(name: str) -> Optional[str]:
     return next((k for suffix, k in PLAN.items() if name == suffix or name.endswith("." + suffix)), None)
 
 
+def split_units(model: nn.Module) -> dict:
+    """plan kind -> how many input features a row-wise split must keep together: the lcm of its
+    layers' `split_unit` (quantize.py's int4 layers: their group size), 1 for plain layers."""
+    units = dict.fromkeys(PLAN.values(), 1)
+    for name, module in model.named_modules():
+        kind = plan_kind(name)
+        if kind is not None:
+            units[kind] = math.lcm(units[kind], getattr(module, "split_unit", 1))
+    return units
+
+
 TIMEOUT_S = int(os.environ.get("MINILLM_TP_TIMEOUT_S", "600"))  # a collective waits this long for a missing rank
-
-
-class TPError(RuntimeError):
-    """A model that cannot be split this way, or a rank that failed: printed as one line."""
 
 
 def split_evenly(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -101,11 +114,16 @@ class Shard:
 class TensorParallel:
     """This rank's place in the group and its shard of each layer named in PLAN."""
 
-    def __init__(self, rank: int, world_size: int, group: Optional[dist.ProcessGroup] = None, device="cpu"):
+    def __init__(self, rank: int, world_size: int, group_name: Optional[str] = None, device="cpu"):
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.group = group if group is not None else dist.group.WORLD
+        # the group's name, not the group: nothing of ours may keep it (and its threads) alive past close()
+        self.group_name = group_name if group_name is not None else dist.group.WORLD.group_name
         self.shards: dict[str, Shard] = {}  # module name -> Shard, filled by shard_modules
         self.full_shapes: dict[str, tuple] = {}  # tensor name -> shape in the checkpoint
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return _resolve_process_group(self.group_name)
 
     # ---------------------------------------------------------------- the plan, before loading
 
@@ -113,34 +131,37 @@ class TensorParallel:
         """On the meta-device model: shrink each sharded layer's tensors to this rank's part, set
         each attention's local head counts, and hook an all-reduce after every row-wise layer."""
         args = model.args
-        hd, I = args.head_dim, args.intermediate_size
+        head_dim, intermediate = args.head_dim, args.intermediate_size
         q0, nq, kv0, nkv = head_split(args.n_heads, args.n_kv_heads, self.world_size, self.rank)
-        q_rows, kv_rows = args.n_heads * hd, args.n_kv_heads * hd
-        heads = Shard(False, [(q0 * hd, (q0 + nq) * hd), (q_rows + kv0 * hd, q_rows + (kv0 + nkv) * hd),
-                              (q_rows + kv_rows + kv0 * hd, q_rows + kv_rows + (kv0 + nkv) * hd)],
+        q_rows, kv_rows = args.n_heads * head_dim, args.n_kv_heads * head_dim
+        heads = Shard(False, [(q0 * head_dim, (q0 + nq) * head_dim),
+                              (q_rows + kv0 * head_dim, q_rows + (kv0 + nkv) * head_dim),
+                              (q_rows + kv_rows + kv0 * head_dim, q_rows + kv_rows + (kv0 + nkv) * head_dim)],
                       q_rows + 2 * kv_rows)
-        # int4 groups run along the input features: w2's split must fall on group boundaries
-        quant = args.quantization or {}
-        unit = quant.get("groupsize", 1) if str(quant.get("mode", "")).startswith("int4") else 1
-        for name, features in (("feed_forward.w2", I), ("attention.wo", q_rows)):
-            if features % unit:
-                raise TPError(f"cannot split {name}: its {features} input features are padded to the int4 "
-                              f"group size {unit}; quantize with a group size that divides {features}")
-        f0, nf = split_evenly(I // unit, self.world_size, self.rank)
-        hidden = [(f0 * unit, (f0 + nf) * unit)]
-        if (q0 * hd) % unit or ((q0 + nq) * hd) % unit:
+        # a row-wise split must fall on the boundaries of the input-feature groups its layer
+        # stores together (quantize.py's int4 groups); w1 and w3 follow w2's split of the hidden dim
+        units = split_units(model)
+        for kind, features in (("rowwise", intermediate), ("rowwise_heads", q_rows)):
+            if features % units[kind]:
+                name = next(suffix for suffix, k in PLAN.items() if k == kind)
+                raise TPError(f"cannot split {name}: its {features} input features are padded to groups of "
+                              f"{units[kind]}; quantize with a group size that divides {features}")
+        unit = units["rowwise"]
+        f0, nf = split_evenly(intermediate // unit, self.world_size, self.rank)
+        hidden_part = [(f0 * unit, (f0 + nf) * unit)]
+        if (q0 * head_dim) % units["rowwise_heads"] or ((q0 + nq) * head_dim) % units["rowwise_heads"]:
             raise TPError(f"cannot split attention.wo at query head {q0} over {self.world_size} ranks: "
-                          f"the int4 group size {unit} does not divide its heads' features")
+                          f"its groups of {units['rowwise_heads']} input features straddle the heads")
         layer_shards = {
             "colwise_heads": heads,
-            "rowwise_heads": Shard(True, [(q0 * hd, (q0 + nq) * hd)], q_rows),
-            "colwise": Shard(False, hidden, I),
-            "rowwise": Shard(True, hidden, I),
+            "rowwise_heads": Shard(True, [(q0 * head_dim, (q0 + nq) * head_dim)], q_rows),
+            "colwise": Shard(False, hidden_part, intermediate),
+            "rowwise": Shard(True, hidden_part, intermediate),
         }
-        V = args.vocab_size
-        if V % self.world_size == 0:  # all-gather needs equal parts
-            v0, nv = split_evenly(V, self.world_size, self.rank)
-            layer_shards["vocab_embedding"] = layer_shards["vocab_head"] = Shard(False, [(v0, v0 + nv)], V)
+        vocab = args.vocab_size
+        if vocab % self.world_size == 0:  # all-gather needs equal parts
+            v0, nv = split_evenly(vocab, self.world_size, self.rank)
+            layer_shards["vocab_embedding"] = layer_shards["vocab_head"] = Shard(False, [(v0, v0 + nv)], vocab)
         for name, module in model.named_modules():
             kind = plan_kind(name)
             if kind not in layer_shards:
@@ -168,22 +189,22 @@ class TensorParallel:
 
     def _all_reduce_hook(self, module, inputs, output):
         # the whole output, every batch row: each rank holds a partial sum over its input features
-        return funcol.all_reduce(output, "sum", self.group)
+        return funcol.all_reduce(output, "sum", self.group_name)
 
     def _all_gather_hook(self, module, inputs, output):
         # (..., vocab / N) logits of this rank's tokens -> (..., vocab), in rank order
-        return funcol.all_gather_single(output, output.dim() - 1, self.group)
+        return funcol.all_gather_single(output, output.dim() - 1, self.group_name)
 
     def _embed_own_tokens(self, module: nn.Module, v0: int, v1: int):
         """Make an embedding (nn.Embedding or quantize.py's) holding rows v0..v1 look up only
         its own tokens, give zeros for the others, and all-reduce: the sum is the full lookup."""
-        base, group = type(module), self.group
+        base, group_name = type(module), self.group_name
 
         def forward(self, tokens):
             local = tokens - v0
             mine = (local >= 0) & (local < v1 - v0)
             x = base.forward(self, local.clamp(0, v1 - v0 - 1))  # (..., dim)
-            return funcol.all_reduce(x.masked_fill(~mine.unsqueeze(-1), 0), "sum", group)
+            return funcol.all_reduce(x.masked_fill(~mine.unsqueeze(-1), 0), "sum", group_name)
 
         module.__class__ = type(f"VocabParallel{base.__name__}", (base,), {"forward": forward})
 
@@ -245,8 +266,8 @@ class TensorParallel:
         try:
             result, error = fn(*args, **kwargs), None
         except Exception as e:  # noqa: BLE001: reported by every rank, then raised there
-            # our errors (UserError, ConfigError, TPError) say what is wrong; name the others (MemoryError)
-            plain = str(e) and (type(e).__module__ != "builtins" or isinstance(e, (ValueError, RuntimeError, OSError)))
+            # a UserError says what is wrong; name the others' type (MemoryError)
+            plain = str(e) and isinstance(e, (UserError, ValueError, RuntimeError, OSError))
             result, error = None, str(e) if plain else f"{type(e).__name__}: {e}"
         errors = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.group)
@@ -278,24 +299,24 @@ class TensorParallel:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def rank_metrics(self, m: dict, model: nn.Module) -> dict:
+    def rank_metrics(self, metrics: dict, model: nn.Module) -> dict:
         """Per-rank memory and weights, and what a decode step sends: two all-reduces per layer
         of (batch, 1, dim) activations, one more for the embedding and an all-gather of the
         logits when the vocabulary is split (a collective on every rank: call it on all of them)."""
         elem = model.norm.weight.element_size()  # activations are in the model dtype
         vocab = int("tok_embeddings" in self.shards and self.world_size > 1)
-        n, B = (2 * len(model.layers) + vocab if self.world_size > 1 else 0), model.max_batch_size
+        n, batch = (2 * len(model.layers) + vocab if self.world_size > 1 else 0), model.max_batch_size
         return {
             "tp_world_size": self.world_size,
-            "peak_memory_bytes_per_rank": self.gather(m["peak_memory_bytes"]),
+            "peak_memory_bytes_per_rank": self.gather(metrics["peak_memory_bytes"]),
             "weight_bytes_per_rank": self.gather(sum(sharded_bytes(model))),
             # peak RSS also counts the checkpoint's memory-mapped pages that a rank touched
             # (reclaimable page cache); anonymous memory is what the rank itself holds
             "rss_anon_bytes_per_rank": self.gather(rss_anon_bytes()),
             "all_reduces_per_step": n,
-            "all_reduce_bytes_per_step": n * B * model.args.dim * elem,
+            "all_reduce_bytes_per_step": n * batch * model.args.dim * elem,
             "all_gathers_per_step": vocab,
-            "all_gather_bytes_per_step": vocab * B * model.args.vocab_size * elem,  # the gathered logits
+            "all_gather_bytes_per_step": vocab * batch * model.args.vocab_size * elem,  # the gathered logits
         }
 
 
@@ -318,12 +339,23 @@ def init_from_env(device: str = "cpu") -> tuple[Optional[TensorParallel], str]:
         # the timeout bounds how long a rank waits in a collective for one that died
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=TIMEOUT_S),
                                 device_id=torch.device(device) if cuda else None)
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    atexit.register(close)
     # a rank that crashes below Python (SIGABRT, SIGSEGV) still names the Python line it was on
     faulthandler.enable(sys.__stderr__)
     if rank != 0:
         quiet()
     return TensorParallel(rank, world, device=device), device
+
+
+def close():
+    """Destroy the process group, before the interpreter finalizes (init_from_env registers this
+    at exit). The group's worker threads stop when its last reference goes, so TensorParallel
+    keeps only its name: a gloo worker still alive at finalization, freeing a finished collective's
+    tensors, asks the finalizing interpreter for the GIL, is ended by pthread_exit, and that
+    unwinding through the tensors' noexcept destructor aborts the process ("terminate called
+    without an active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def quiet():

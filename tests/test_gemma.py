@@ -175,7 +175,7 @@ def test_compiled_decode_with_ring_cache_matches_eager():
 
 @torch.inference_mode()
 def test_gemma3_multimodal_checkpoint_converts_its_text_decoder(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from convert_hf_checkpoint import convert_hf_checkpoint
     text = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, sliding_window=16, query_pre_attn_scalar=24)
@@ -223,7 +223,7 @@ def gemma3(gemma3_dir):
 def hf_tokenizer(gemma3_dir, request):
     """transformers' tokenizer for the GGUF. Building it takes ~25 s (it derives 500k merges), so
     its tokenizer.json is kept in pytest's cache, keyed by the GGUF and transformers versions."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     path = gguf_path()
     key = hashlib.sha256(f"{path.stat().st_size}-{transformers.__version__}".encode()).hexdigest()[:16]
     cached = request.config.cache.mkdir(f"gemma3-270m-hf-tokenizer-{key}")
@@ -258,7 +258,7 @@ def test_gemma3_tokenizer_matches_transformers(gemma3, hf_tokenizer):
 @torch.inference_mode()
 def test_gemma3_270m_logits_match_transformers_gguf(gemma3):
     """Prefill (longer than the 512 window) and cached decode steps against transformers' GGUF loader."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     model, _ = gemma3
     path = gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

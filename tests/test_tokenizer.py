@@ -69,7 +69,7 @@ def smollm2_tokenizer(smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
@@ -198,7 +198,7 @@ _CORPUS = "\n".join(
 @pytest.fixture(scope="session")
 def sp_dir(tmp_path_factory):
     """A tiny llama-style SentencePiece BPE model trained here, as a checkpoint directory."""
-    spm = pytest.importorskip("sentencepiece")
+    import sentencepiece as spm
     out = tmp_path_factory.mktemp("sp_tokenizer")
     (out / "corpus.txt").write_text(_CORPUS)
     spm.SentencePieceTrainer.train(
@@ -221,7 +221,7 @@ def sp_dir(tmp_path_factory):
 
 
 def test_sentencepiece_ids_match_transformers_llama_tokenizer(sp_dir):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     hf = transformers.LlamaTokenizer.from_pretrained(sp_dir, legacy=False)
     tok = Tokenizer(sp_dir)
     assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (1, [2], True)

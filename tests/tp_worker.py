@@ -1,8 +1,9 @@
 """One torchrun job for tests/test_tp.py: every rank loads its shard of each case's checkpoint,
-runs prefill and a few greedy decode steps (eager, or through generate.Engine with the compiled
-step), and rank 0 writes the logits, tokens and per-rank bytes of every case to --out.
+runs prefill and a few greedy decode steps (eager, or through engine.Engine with the compiled
+step), and rank 0 writes the logits, tokens and per-rank bytes of every case to --out, and under
+"gloo_threads" its gloo threads before and after tp.close().
 
-    torchrun --standalone --nproc_per_node=2 tests/tp_worker.py --cases cases.json --out result.pt
+    torchrun --standalone --nproc_per_node=2 -m tests.tp_worker --cases cases.json --out result.pt
 
 cases.json: [{"name", "checkpoint", "prompts": [[ids], ...], "steps", "compile",
                "speculate_k", "draft" (a checkpoint) or "ngram"}, ...]
@@ -11,15 +12,13 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels  # noqa: E402
-import tp as tplib  # noqa: E402
-from generate import Engine, Sampling, load_model  # noqa: E402
+import kernels
+import tp as tplib
+from engine import Engine, Sampling, load_model
 
 
 @torch.inference_mode()
@@ -49,10 +48,17 @@ def run_case(model, prompts: list, steps: int, compile: bool = False) -> dict:
 def run_speculative(model, case: dict, draft=None) -> dict:
     import speculative
     (prompt,) = case["prompts"]
-    spec = speculative.build(Engine(model), case["speculate_k"], draft=draft, ngram=case.get("ngram"))
+    proposer = speculative.DraftProposer(draft) if draft is not None else speculative.NgramProposer(case["ngram"])
+    spec = speculative.SpeculativeEngine(Engine(model), proposer, case["speculate_k"])
     spec.setup(1, len(prompt) + case["steps"] + 1 + case["speculate_k"] + 1)
     (out,), _ = spec.generate([prompt], case["steps"] + 1, Sampling())
     return {"tokens": torch.tensor([out]), "logits": []}
+
+
+def gloo_threads() -> list:
+    """Names of this process's threads that gloo started (Linux)."""
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return [name for name in names if "gloo" in name]
 
 
 def main():
@@ -62,26 +68,26 @@ def main():
     p.add_argument("--fail_rank", type=int, default=None, help="this rank runs out of memory while loading")
     p.add_argument("--crash_rank", type=int, default=None, help="this rank dies after loading")
     p.add_argument("--abort_rank", type=int, default=None, help="this rank aborts (SIGABRT) after loading")
-    a = p.parse_args()
+    args = p.parse_args()
     torch.set_num_threads(1)
     tp, _ = tplib.init_from_env("cpu")
     results = {}
 
     def load(checkpoint):
-        if tp.rank == a.fail_rank:
+        if tp.rank == args.fail_rank:
             raise MemoryError("cannot allocate the shard (injected)")
         return load_model(checkpoint, "cpu", torch.float32, tp=tp)
 
-    for case in json.loads(a.cases.read_text()):
+    for case in json.loads(args.cases.read_text()):
         # float_activations: quantized layers packed and run without kernels.py, whose int8
         # rounding of the activations would turn the all-reduce's other summation order into
         # jumps of a rounding step, where the sharding is to be checked to 1e-4
         off = kernels.switched_off if case.get("float_activations") else contextlib.nullcontext
         with off():
             model = tp.all_ranks_ok(load, case["checkpoint"])
-        if tp.rank == a.crash_rank:
+        if tp.rank == args.crash_rank:
             os._exit(3)  # no exception, no message: the others are left in their next all-reduce
-        if tp.rank == a.abort_rank:
+        if tp.rank == args.abort_rank:
             os.abort()  # a crash below Python: faulthandler names this line
         with off():
             if case.get("speculate_k"):  # greedy speculative decoding, with a sharded draft or n-grams
@@ -91,8 +97,11 @@ def main():
         r["bytes"] = tp.gather(tplib.sharded_bytes(model, tp))  # [(sharded, replicated)] per rank
         r["n_heads"] = tp.gather([(layer.attention.n_heads, layer.attention.n_kv_heads) for layer in model.layers])
         results[case["name"]] = r
+    running = gloo_threads()
+    tplib.close()  # as at exit, with the models and compiled steps still alive
     if tp.rank == 0:
-        torch.save(results, a.out)
+        results["gloo_threads"] = {"before_close": running, "after_close": gloo_threads()}
+        torch.save(results, args.out)
 
 
 if __name__ == "__main__":
