@@ -1,537 +1,56 @@
-"""Hand-written CPU kernels, for the products and the attention that neither inductor nor BLAS
-does well here.
+"""CPU fast paths, swapped into a built model by `install(model)`; model.py stays the reference
+(nn.Linear and SDPA), as quantize.py's layers are swapped in by `use_quantized_layers`.
 
-- `small_linear`: float32 or bfloat16 weights times a few tokens (2 to 16: a speculative
-  verify, a short prompt). BLAS's small-M GEMM is compute-bound at about a fifth of the
-  machine's peak for such shapes, and inductor's multiply-and-sum keeps one accumulator per
-  output, a serial chain of multiply-adds; a 9-token verify cost four decode steps either way.
-  This is the textbook register-blocked micro-kernel: two weight rows times up to six tokens,
-  twelve AVX2 accumulators in registers, each weight read once per call for every token.
+- `CpuLinear` (for every nn.Linear): a compiled one-token product as a multiply-and-sum that
+  inductor vectorizes, a compiled product of 2 to 16 tokens through `small_linear`, and bfloat16
+  prompts in float32 on a CPU without bf16 instructions.
+- `CpuAttention` (for model.Attention): a few queries under a mask (decode, a speculative
+  verify) through `attend`, or spelled out for inductor to fuse when the kernels are not built.
+
+The hand-written kernels, in kernels.cpp:
+- `small_linear`: float32 or bfloat16 weights times 2 to 16 tokens. BLAS's small-M GEMM is
+  compute-bound far below the machine's peak for such shapes, and inductor's multiply-and-sum
+  keeps one accumulator per output, a serial chain of multiply-adds. This is the textbook
+  register-blocked micro-kernel: two weight rows times up to six tokens, twelve AVX2
+  accumulators in registers, each weight read once per call for every token.
 - `q8_linear`, `q4_linear`: quantize.py's int8 and int4 weights times 1 to 16 tokens, decode
   included. As llama.cpp does, the activations are quantized to int8 per 32 columns on the way
-  in, so 32 products are two integer instructions. The float unpack-and-multiply that inductor
-  generates for one token (and that an earlier loop here did for a few) was compute-bound at
-  about 9 GB/s of int8 weights.
-- `attend`: attention for a few query rows per KV head (decode, verify) over the keys each
-  row's mask allows, where inductor's code and CPU SDPA read the whole preallocated cache.
+  in, so 32 products are two integer instructions; the float unpack-and-multiply that inductor
+  generates is compute-bound.
+- `attend`: attention for a few query rows per KV head over the keys each row's mask allows,
+  where inductor's code and CPU SDPA read the whole preallocated cache.
 
-It is C++ compiled once per machine with torch.utils.cpp_extension (g++ is needed anyway: it is
-what inductor compiles to on CPU) and registered as operators `minillm::...`, which compiled
-graphs call like aten ops. On a CPU with AVX-512 VNNI the integer dot products use its
+kernels.cpp is compiled once per machine with torch.utils.cpp_extension (g++ is needed anyway:
+it is what inductor compiles to on CPU) and registers the operators `minillm::...`, which
+compiled graphs call like aten ops. On a CPU with AVX-512 VNNI the integer dot products use its
 vpdpbusd (one instruction for AVX2's two); MINILLM_KERNELS_VNNI=0 builds the AVX2 loops there
 too. Where it cannot be built (no AVX2, no compiler) or when MINILLM_KERNELS=0, `available()`
-is False and callers use F.linear, SDPA and inductor.
+is False and the layers use F.linear, SDPA and inductor.
 """
 import functools
 import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
+from model import Attention
+
 MAX_TOKENS = 16  # above this BLAS's packed GEMM is the better kernel (prefill)
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <vector>
-#include <cmath>
-#include <limits>
-
-namespace {
-
-constexpr int PREFETCH_ROWS = 16;
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
-// Float weight formats: `fetch` loads 8 columns of a row as float32 (from the address `at`),
-// `scalar` one column (the tail of a K that is not a multiple of 8); `rows(n)` moves to row n.
-struct F32 {
-  const float* w; int64_t ld;
-  F32 rows(int64_t n) const { return {w + n * ld, ld}; }
-  const float* at(int64_t r, int64_t k) const { return w + r * ld + k; }
-  __m256 fetch(int r, int64_t k) const { return _mm256_loadu_ps(at(r, k)); }
-  float scalar(int r, int64_t k) const { return w[r * ld + k]; }
-};
-
-struct BF16 {  // bfloat16 is the top half of a float32
-  const at::BFloat16* w; int64_t ld;
-  BF16 rows(int64_t n) const { return {w + n * ld, ld}; }
-  const at::BFloat16* at(int64_t r, int64_t k) const { return w + r * ld + k; }
-  __m256 fetch(int r, int64_t k) const {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at(r, k)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  float scalar(int r, int64_t k) const { return static_cast<float>(w[r * ld + k]); }
-};
-
-// y[t][r] = sum_k w[r][k] * x[t][k] for R weight rows and TB tokens: R * TB accumulators in
-// registers, each weight vector loaded once and used TB times.
-template <int R, int TB, typename L>
-void block(const float* x, int64_t K, const L& w, float* y, int64_t N) {
-  __m256 acc[R][TB];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TB; ++t) acc[r][t] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 raw[R];
-    for (int r = 0; r < R; ++r) raw[r] = w.fetch(r, k);
-    // the hardware prefetcher does not follow R interleaved rows that are short: ask for the
-    // same columns PREFETCH_ROWS rows ahead (3 ms -> 1.1 ms for SmolLM2's head when it was read
-    // by this loop as int8). Into L2 only (T1): brought into L1 (T0), 16 rows ahead is 36 to
-    // 96 KiB of weights, more than L1 holds, and it evicted the tokens' activations that every
-    // row reuses; on the Zen 4 machine a 5-token verify of SmolLM2 went from 33 to 23 ms.
-    // Prefetches never fault.
-    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w.at(r + PREFETCH_ROWS, k)), _MM_HINT_T1);
-    // token outer, row inner, so each x vector is loaded once for the R rows (in the other
-    // order GCC folds the load into every multiply-add, R loads per vector, and the loop is
-    // bound by the load ports; 9 tokens over SmolLM2: 36.5 -> 31.4 ms)
-    for (int t = 0; t < TB; ++t) {
-      __m256 xv = _mm256_loadu_ps(x + t * K + k);
-      asm("" : "+x"(xv));  // keep it in a register: GCC would fold the load into each FMA again
-      for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(raw[r], xv, acc[r][t]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TB; ++t) {
-      float s = hsum(acc[r][t]);
-      for (int64_t kk = k; kk < K; ++kk) s += w.scalar(r, kk) * x[t * K + kk];
-      y[t * N + r] = s;
-    }
-}
-
-template <int R, typename L>
-void rows(const float* x, int64_t T, int64_t K, const L& w, float* y, int64_t N) {
-  // tokens in near-equal blocks of at most 12 / R (12 accumulators + R weights + 1 x <= 16 ymm)
-  constexpr int MAXTB = 12 / R < 6 ? 12 / R : 6;
-  int64_t blocks = (T + MAXTB - 1) / MAXTB;
-  for (int64_t t0 = 0; t0 < T;) {
-    int64_t tb = std::min<int64_t>((T - t0 + blocks - 1) / blocks, MAXTB);
-    const float* xb = x + t0 * K;
-    float* yb = y + t0 * N;
-    switch (tb) {
-      case 1: block<R, 1>(xb, K, w, yb, N); break;
-      case 2: if constexpr (MAXTB >= 2) { block<R, 2>(xb, K, w, yb, N); } break;
-      case 3: if constexpr (MAXTB >= 3) { block<R, 3>(xb, K, w, yb, N); } break;
-      case 4: if constexpr (MAXTB >= 4) { block<R, 4>(xb, K, w, yb, N); } break;
-      case 5: if constexpr (MAXTB >= 5) { block<R, 5>(xb, K, w, yb, N); } break;
-      case 6: if constexpr (MAXTB >= 6) { block<R, 6>(xb, K, w, yb, N); } break;
-    }
-    t0 += tb;
-    --blocks;
-  }
-}
-
-template <typename L>
-at::Tensor run(const at::Tensor& x, const L& w, int64_t N) {
-  auto xc = x.contiguous();
-  int64_t T = x.size(0), K = x.size(1);
-  auto y = at::empty({T, N}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // one token: 4 rows at a time, so 4 independent chains hide the multiply-add latency.
-  // 2 or more: two rows, each x vector loaded once for both. (One row at a time was faster at
-  // 2 to 4 tokens only while the prefetches above went into L1.) Which rows share a loop does
-  // not change any sum's order, so the results are the same either way.
-  constexpr int R1 = 4;
-  int R = T == 1 ? R1 : 2;
-  at::parallel_for(0, N / R, 16, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      if (T == 1) block<R1, 1>(xp, K, w.rows(i * R1), yp + i * R1, N);
-      else rows<2>(xp, T, K, w.rows(i * 2), yp + i * 2, N);
-    }
-  });
-  for (int64_t n = N / R * R; n < N; ++n) rows<1>(xp, T, K, w.rows(n), yp + n, N);
-  return y;
-}
-
-void check_x(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "minillm kernels: x must be (tokens, ", K, ")");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "minillm kernels: x must be float32");
-}
-
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2, "small_linear: w must be 2-d");
-  check_x(x, w.size(1));
-  auto wc = w.contiguous();
-  if (wc.scalar_type() == at::kFloat) return run(x, F32{wc.data_ptr<float>(), wc.size(1)}, w.size(0));
-  TORCH_CHECK(wc.scalar_type() == at::kBFloat16, "small_linear: weight must be float32 or bfloat16");
-  return run(x, BF16{wc.data_ptr<at::BFloat16>(), wc.size(1)}, w.size(0));
-}
-
-// ---------------------------------------------------------------- int8 and int4 weights
-// As llama.cpp does on AVX2: the activations are quantized too, to int8 per block of 32 columns
-// (x ~ d * xq), so a block of 32 products is two integer instructions (maddubs: 32 byte products
-// summed in pairs; madd: pairs of pairs) and one float multiply-add for the block's scales.
-// Unpacking each weight to float and multiplying in float (what inductor's code and this file's
-// first integer loop did) was compute-bound at about 9 GB/s of int8 weights here.
-
-// x (T, K) float32, K a multiple of 32 -> per token and block of 32: the scale d = absmax / 127,
-// xq = round(x / d) in -127..127, |xq| as unsigned bytes, and d * sum(xq) (for int4's zeros).
-struct QuantizedX {
-  int64_t T, K, KB;
-  std::vector<int8_t> q;
-  std::vector<uint8_t> a;
-  std::vector<float> d, sum;
-  QuantizedX(const float* x, int64_t T_, int64_t K_) : T(T_), K(K_), KB(K_ / 32), q(T_ * K_), a(T_ * K_),
-                                                        d(T_ * KB), sum(T_ * KB) {
-    const __m256 signbit = _mm256_set1_ps(-0.f);
-    for (int64_t i = 0; i < T * KB; ++i) {
-      const float* xb = x + 32 * i;
-      __m256 v[4], m = _mm256_setzero_ps();
-      for (int j = 0; j < 4; ++j) {
-        v[j] = _mm256_loadu_ps(xb + 8 * j);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(signbit, v[j]));
-      }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-      float inv = amax > 0 ? 127.f / amax : 0.f;
-      __m256i n[4];
-      for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));  // to nearest, ties to even
-      __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-      // int32 -> int8 packs within 128-bit halves; the permute puts the 32 bytes back in order
-      __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-      b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + 32 * i), b);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.data() + 32 * i), _mm256_abs_epi8(b));
-      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
-      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
-      d[i] = amax / 127.f;
-      sum[i] = d[i] * static_cast<float>(_mm_cvtsi128_si32(t4));
-    }
-  }
-};
-
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// sum over 32 columns of xq * w as 8 int32 partial sums, as floats; u unsigned bytes, s signed.
-// With AVX-512 VNNI (built so where the CPU has it) one vpdpbusd does what takes two
-// instructions in AVX2: maddubs (32 byte products summed in pairs; |products| summed in pairs
-// stay below 2 * 127 * 127, so it never saturates) and madd (pairs of pairs).
-inline __m256 dot32(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
-#else
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-// R accumulators of 8 floats (R = 1 or 4) -> each one's sum, times scale[r], to y[0..R)
-template <int R>
-inline void store_sums(const __m256* acc, const float* scale, float* y) {
-  if constexpr (R == 4) {  // the four horizontal sums at once: [r0, r1, r2, r3] in one vector
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    _mm_storeu_ps(y, scale ? _mm_mul_ps(s4, _mm_loadu_ps(scale)) : s4);
-  } else {
-    y[0] = hsum(acc[0]) * (scale ? scale[0] : 1.f);
-  }
-}
-
-// Both loops take R = 4 rows at a time (the rest one by one) and read each row front to back,
-// one after another: a sequential stream that the hardware prefetcher follows. (Reading four
-// rows interleaved, block by block, to load each activation block once for all four, ran twice
-// as fast from cache and half as fast from memory, with software prefetch 8-32 rows ahead or
-// without.) What the four rows share is the horizontal reduction at the end.
-
-// int8: w (N, K) row-major, one scale per row. y = scale * sum_b d_b * (xq_b . w_b). maddubs
-// wants one unsigned operand: |xq| times w with xq's signs moved onto it.
-template <int R>
-void q8_group(const int8_t* w, const float* scale, const QuantizedX& x, int64_t n, float* y, int64_t N) {
-  int64_t K = x.K, KB = x.KB;
-  for (int64_t t = 0; t < x.T; ++t) {
-    const int8_t* xq = x.q.data() + t * K;
-    const uint8_t* xa = x.a.data() + t * K;
-    const float* d = x.d.data() + t * KB;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) {
-      const int8_t* wr = w + (n + r) * K;
-      auto step = [&](int64_t b, __m256 a) {
-        __m256i ws = _mm256_sign_epi8(load32(wr + 32 * b), load32(xq + 32 * b));
-        return _mm256_fmadd_ps(dot32(load32(xa + 32 * b), ws), _mm256_set1_ps(d[b]), a);
-      };
-      // four chains of multiply-adds, in named variables: indexed as an array, they lived on the stack
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      int64_t b = 0;
-      for (; b + 4 <= KB; b += 4) {
-        a0 = step(b, a0); a1 = step(b + 1, a1); a2 = step(b + 2, a2); a3 = step(b + 3, a3);
-      }
-      for (; b < KB; ++b) a0 = step(b, a0);
-      acc[r] = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    }
-    store_sums<R>(acc, scale + n, y + t * N + n);
-  }
-}
-
-// int4: w (N, K / 2) bytes, per 64 columns 32 bytes whose low nibbles are columns 0-31 and high
-// nibbles 32-63, q in 0..15; scales, zeros float16 (N, groups padded to a multiple of 8), group
-// size 32 << gshift. w = q * scale + zero, so y = sum_g scale_g sum_{b in g} d_b (xq_b . q_b)
-// + sum_g zero_g xsum_g with xsum_g the group's sum of the quantized x.
-template <int R>
-void q4_group(const uint8_t* w, const at::Half* scales, const at::Half* zeros, int64_t G8, int gshift,
-              const QuantizedX& x, const float* xsum, int64_t n, float* y, int64_t N, float* sc) {
-  int64_t K = x.K, KB = x.KB;
-  const __m256i low = _mm256_set1_epi8(0x0f);
-  for (int64_t t = 0; t < x.T; ++t) {
-    const int8_t* xq = x.q.data() + t * K;
-    const float* d = x.d.data() + t * KB;
-    __m256 acc[R];  // each row's zero term, then its products added
-    for (int r = 0; r < R; ++r) {
-      // sc[r * KB + b]: row r's scale for block b times the block's activation scale
-      const uint16_t* s16 = reinterpret_cast<const uint16_t*>(scales + (n + r) * G8);
-      float* scr = sc + r * KB;
-      if (gshift == 0) {
-        for (int64_t b = 0; b + 8 <= KB; b += 8) {
-          __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + b)));
-          _mm256_storeu_ps(scr + b, _mm256_mul_ps(s8, _mm256_loadu_ps(d + b)));
-        }
-        for (int64_t b = KB / 8 * 8; b < KB; ++b) scr[b] = _cvtsh_ss(s16[b]) * d[b];
-      } else {
-        for (int64_t b = 0; b < KB; ++b) scr[b] = _cvtsh_ss(s16[b >> gshift]) * d[b];
-      }
-      acc[r] = _mm256_setzero_ps();
-      const uint16_t* z16 = reinterpret_cast<const uint16_t*>(zeros + (n + r) * G8);
-      const float* xs = xsum + t * G8;
-      for (int64_t g = 0; g < G8; g += 8)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z16 + g))),
-                                 _mm256_loadu_ps(xs + g), acc[r]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* wr = w + (n + r) * (K / 2);
-      const float* scr = sc + r * KB;
-      auto step = [&](int64_t b, __m256& lo_acc, __m256& hi_acc) {  // 64 columns from 32 bytes
-        __m256i v = load32(wr + 16 * b);
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        lo_acc = _mm256_fmadd_ps(dot32(lo, load32(xq + 32 * b)), _mm256_set1_ps(scr[b]), lo_acc);
-        hi_acc = _mm256_fmadd_ps(dot32(hi, load32(xq + 32 * b + 32)), _mm256_set1_ps(scr[b + 1]), hi_acc);
-      };
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;  // named, as in q8_group
-      int64_t b = 0;
-      for (; b + 4 <= KB; b += 4) {
-        step(b, a0, a1); step(b + 2, a2, a3);
-      }
-      if (b < KB) step(b, a0, a1);
-      acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    }
-    store_sums<R>(acc, nullptr, y + t * N + n);
-  }
-}
-
-// w: int8 (N, K), K a multiple of 32; scale: float32 (N,)
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(1) % 32 == 0,
-              "q8_linear: w must be contiguous int8 (N, K) with K a multiple of 32");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0),
-              "q8_linear: scale must be float32 (N,)");
-  check_x(x, w.size(1));
-  int64_t T = x.size(0), K = w.size(1), N = w.size(0);
-  auto xc = x.contiguous();
-  QuantizedX xq(xc.data_ptr<float>(), T, K);
-  auto y = at::empty({T, N}, x.options());
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // groups of four rows (about 64 KiB of weights per task at least), then the last N % 4 rows
-  at::parallel_for(0, N / 4, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
-    for (int64_t g = b; g < e; ++g) q8_group<4>(wp, sp, xq, 4 * g, yp, N);
-  });
-  for (int64_t n = N / 4 * 4; n < N; ++n) q8_group<1>(wp, sp, xq, n, yp, N);
-  return y;
-}
-
-// w: uint8 (N, K / 2) as q4_group reads it, K a multiple of 64; scales, zeros: float16 (N, G8) with
-// G8 >= K / groupsize a multiple of 8 (the padding is zeros)
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
-                     int64_t groupsize) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % 32 == 0,
-              "q4_linear: w must be contiguous uint8 (N, K / 2) with K a multiple of 64");
-  int64_t N = w.size(0), K = w.size(1) * 2, G8 = scales.size(1);
-  TORCH_CHECK(groupsize >= 32 && (groupsize & (groupsize - 1)) == 0 && K % groupsize == 0, "q4_linear: group size");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && zeros.scalar_type() == at::kHalf && scales.is_contiguous() &&
-              zeros.is_contiguous() && scales.sizes() == zeros.sizes() && scales.size(0) == N && G8 % 8 == 0 &&
-              G8 * groupsize >= K, "q4_linear: scales/zeros must be float16 (N, groups padded to a multiple of 8)");
-  check_x(x, K);
-  int64_t T = x.size(0);
-  auto xc = x.contiguous();
-  QuantizedX xq(xc.data_ptr<float>(), T, K);
-  int gshift = __builtin_ctzll(groupsize / 32);
-  std::vector<float> xsum(T * G8, 0.f);  // per token and group: the sum of the quantized x
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < xq.KB; ++b) xsum[t * G8 + (b >> gshift)] += xq.sum[t * xq.KB + b];
-  auto y = at::empty({T, N}, x.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const at::Half* sp = scales.data_ptr<at::Half>();
-  const at::Half* zp = zeros.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 4, std::max<int64_t>(1, 32768 / K), [&](int64_t b, int64_t e) {
-    std::vector<float> sc(4 * xq.KB);
-    for (int64_t g = b; g < e; ++g) q4_group<4>(wp, sp, zp, G8, gshift, xq, xsum.data(), 4 * g, yp, N, sc.data());
-  });
-  std::vector<float> sc(xq.KB);
-  for (int64_t n = N / 4 * 4; n < N; ++n) q4_group<1>(wp, sp, zp, G8, gshift, xq, xsum.data(), n, yp, N, sc.data());
-  return y;
-}
-
-// ---------------------------------------------------------------- attention for a few queries
-// Decode and verify attention: each query row reads only the keys its mask allows (the cache
-// before its position), where the compiled broadcast-multiply-sum and CPU SDPA both went over
-// the whole cache (96 us a SmolLM2 layer at 512 slots, most of them empty).
-
-// e^x for x <= 0, to about 2 ulp: 2^n * e^r with n = round(x / ln 2), r in [-ln2/2, ln2/2], and
-// e^r from Cephes expf's polynomial; below -87 (and for -inf, masked keys) exactly 0
-inline __m256 exp_neg(__m256 x) {
-  __m256 zero_below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), zero_below);
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// One query row: out = softmax(scale * q.k_j (soft-capped) + m_j) . v_j over keys j, D % 8 == 0.
-template <typename KV>
-void attend_row(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs, const float* m, int64_t S,
-                int64_t D, float scale, float softcap, float* out, float* p) {
-  const float NEG = -std::numeric_limits<float>::infinity();
-  int64_t lo = 0, hi = S;  // the keys the mask allows lie in [lo, hi)
-  while (lo < hi && m[lo] == NEG) ++lo;
-  while (hi > lo && m[hi - 1] == NEG) --hi;
-  float mx = NEG;
-  for (int64_t j = lo; j < hi; ++j) {
-    if (m[j] == NEG) { p[j - lo] = NEG; continue; }
-    const KV* kj = k + j * ks;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(kj + d + 8), a1);
-    }
-    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a0);
-    float s = hsum(_mm256_add_ps(a0, a1)) * scale;
-    if (softcap > 0) s = std::tanh(s / softcap) * softcap;
-    s += m[j];
-    p[j - lo] = s;
-    mx = std::max(mx, s);
-  }
-  int64_t n = hi - lo, j = 0;
-  __m256 total = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(mx)));
-    _mm256_storeu_ps(p + j, e);
-    total = _mm256_add_ps(total, e);
-  }
-  float sum = hsum(total);
-  for (; j < n; ++j) {  // the tail, through the same vector code
-    float e = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(p[j] - mx)));
-    p[j] = e;
-    sum += e;
-  }
-  const __m256 inv = _mm256_set1_ps(n > 0 ? 1.f / sum : 0.f);
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 accumulators of the output at a time
-    int64_t w = std::min<int64_t>(64, D - d0) / 8;
-    __m256 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t jj = 0; jj < n; ++jj) {
-      if (p[jj] == 0.f) continue;
-      const KV* vj = v + (lo + jj) * vs + d0;
-      __m256 pj = _mm256_set1_ps(p[jj]);
-      switch (w) {  // named registers: an indexed loop kept them on the stack
-        case 8: acc[7] = _mm256_fmadd_ps(pj, load8(vj + 56), acc[7]); [[fallthrough]];
-        case 7: acc[6] = _mm256_fmadd_ps(pj, load8(vj + 48), acc[6]); [[fallthrough]];
-        case 6: acc[5] = _mm256_fmadd_ps(pj, load8(vj + 40), acc[5]); [[fallthrough]];
-        case 5: acc[4] = _mm256_fmadd_ps(pj, load8(vj + 32), acc[4]); [[fallthrough]];
-        case 4: acc[3] = _mm256_fmadd_ps(pj, load8(vj + 24), acc[3]); [[fallthrough]];
-        case 3: acc[2] = _mm256_fmadd_ps(pj, load8(vj + 16), acc[2]); [[fallthrough]];
-        case 2: acc[1] = _mm256_fmadd_ps(pj, load8(vj + 8), acc[1]); [[fallthrough]];
-        case 1: acc[0] = _mm256_fmadd_ps(pj, load8(vj), acc[0]);
-      }
-    }
-    for (int i = 0; i < w; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], inv));
-  }
-}
-
-// q (B, H, R, D) float32 with R = group * T query rows per KV head (row g * T + t is query t);
-// k, v (B, H, S, D) float32 or bfloat16, any strides with unit stride along D; mask (B, 1, T, S)
-// float32, additive. Returns (B, H, R, D) float32.
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                  double scale, double softcap) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "attend: 4-d tensors");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat, "attend: q and mask float32");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
-              "attend: k and v float32 or bfloat16");
-  int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k.size(2), T = mask.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes() && D % 8 == 0 &&
-              k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == v.stride(2) && mask.size(0) == B &&
-              mask.size(3) == S && R % T == 0, "attend: shapes");
-  auto qc = q.contiguous();
-  auto mc = mask.contiguous();
-  auto out = at::empty({B, H, R, D}, q.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* mp = mc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  auto rows = [&](auto* kp, auto* vp, int64_t r0, int64_t r1) {
-    std::vector<float> p(S);
-    for (int64_t i = r0; i < r1; ++i) {
-      int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
-      attend_row(qp + i * D, kp + b * k.stride(0) + h * k.stride(1), k.stride(2), vp + b * v.stride(0) + h * v.stride(1),
-                 v.stride(2), mp + (b * T + r % T) * S, S, D, static_cast<float>(scale), static_cast<float>(softcap),
-                 op + i * D, p.data());
-    }
-  };
-  at::parallel_for(0, B * H * R, 1, [&](int64_t r0, int64_t r1) {
-    if (k.scalar_type() == at::kFloat) rows(k.data_ptr<float>(), v.data_ptr<float>(), r0, r1);
-    else rows(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), r0, r1);
-  });
-  return out;
-}
-
-}  // namespace
-
-TORCH_LIBRARY(minillm, m) {
-  m.def("small_linear(Tensor x, Tensor w) -> Tensor");
-  m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
-  m.def("q4_linear(Tensor x, Tensor w, Tensor scales, Tensor zeros, int groupsize) -> Tensor");
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(minillm, CPU, m) {
-  m.impl("small_linear", &small_linear);
-  m.impl("q8_linear", &q8_linear);
-  m.impl("q4_linear", &q4_linear);
-  m.impl("attend", &attend);
-}
-"""
+SOURCE = Path(__file__).with_name("kernels.cpp")
 
 _state = {"built": None}
 
 
 @torch.compiler.assume_constant_result  # a compiled graph asks once, at trace time
 def available() -> bool:
-    """Build (once per machine, ~1 min; cached by torch under ~/.cache/torch_extensions) and load
-    the kernel; False where it cannot run."""
+    """Build (once per machine; cached by torch under ~/.cache/torch_extensions) and load the
+    kernels; False where they cannot run."""
     if _state["built"] is None:
         _state["built"] = _build()
     return _state["built"]
@@ -556,6 +75,15 @@ def has_vnni() -> bool:
     return {"avx512_vnni", "avx512vl", "avx512bw", "avx512f"} <= (cpu_flags() or set())
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512-BF16 or AMX); True when unknown."""
+    flags = cpu_flags()
+    return flags is None or "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+CPU_HAS_BF16 = cpu_has_bf16()  # read once: the compiled graph sees a constant
+
+
 def _build() -> bool:
     if os.environ.get("MINILLM_KERNELS", "1") == "0":
         return False
@@ -565,13 +93,15 @@ def _build() -> bool:
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     vnni = has_vnni()
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load
         print(f"kernels.py: loading the CPU kernels ({'AVX-512 VNNI' if vnni else 'AVX2'}; built once per "
               "machine, ~1 min)", file=sys.stderr)
         isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if vnni else []
-        load_inline(name="minillm_kernels_vnni" if vnni else "minillm_kernels", cpp_sources=[_SOURCE],
-                    is_python_module=False, extra_ldflags=["-fopenmp"],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", *isa])
+        # is_python_module=False: kernels.cpp registers its operators itself (TORCH_LIBRARY), and
+        # the library is loaded into torch.ops.minillm
+        load(name="minillm_kernels_vnni" if vnni else "minillm_kernels", sources=[str(SOURCE)],
+             is_python_module=False, extra_ldflags=["-fopenmp"],
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", *isa])
     except Exception as e:  # no compiler, no headers: fall back to BLAS, say why once
         print(f"kernels.py: CPU kernels not built ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
               "falling back to F.linear and inductor", file=sys.stderr)
@@ -579,7 +109,8 @@ def _build() -> bool:
 
     for op in ("small_linear", "q8_linear", "q4_linear"):  # the output shape, for tracing
         torch.library.register_fake(f"minillm::{op}")(lambda x, w, *scales: x.new_empty(x.shape[0], w.shape[0]))
-    torch.library.register_fake("minillm::attend")(lambda q, *rest: torch.empty_like(q, memory_format=torch.contiguous_format))
+    torch.library.register_fake("minillm::attend")(
+        lambda q, *rest: torch.empty_like(q, memory_format=torch.contiguous_format))
     return True
 
 
@@ -596,7 +127,7 @@ def switched_off():
 
 def small_linear(x: Tensor, w: Tensor) -> Tensor:
     """x (..., K) float32 times w (N, K) float32 or bfloat16, transposed: (..., N) float32."""
-    y = torch.ops.minillm.small_linear(x.reshape(-1, x.shape[-1]), w)
+    y = torch.ops.minillm.small_linear(x.reshape(-1, x.shape[-1]), w)  # (tokens, N)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -617,3 +148,86 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap:
     q (B, H, group * T, D) (row g * T + t is query t), k and v (B, H, S, D) float32 or bfloat16,
     mask (B, 1, T, S). softmax(scale * q k^T, soft-capped when softcap > 0, + mask) v, float32."""
     return torch.ops.minillm.attend(q.float(), k, v, mask.float(), scale, softcap)
+
+
+# ---------------------------------------------------------------- the layers install() swaps in
+
+def materialize(x: Tensor) -> Tensor:
+    """x, stored to memory inside a compiled graph. Inductor otherwise inlines a cheap producer
+    (RMSNorm, the residual add) into the matrix-vector reduction that reads x, and recomputes it
+    for every output row."""
+    if torch.compiler.is_compiling():
+        return torch.ops.prims.inductor_force_stride_order(x, x.stride())
+    return x
+
+
+class CpuLinear(nn.Linear):
+    """nn.Linear with three CPU paths. Eager products of a few tokens keep BLAS: the reference
+    that the compiled paths are tested against.
+    - One token, compiled (batch-1 decode): multiply-and-sum in float32. Inductor turns it into
+      one vectorized, multi-threaded reduction that streams the weight (widening bfloat16 in
+      registers) at memory bandwidth, where BLAS and oneDNN gemv do not.
+    - 2 to 16 tokens, compiled (a speculative verify, a small batch): `small_linear`, which reads
+      each weight once for all the tokens.
+    - bfloat16, more tokens (a prompt), on a CPU without bf16 instructions: in float32, since
+      oneDNN's bf16 GEMM there is much slower than widening the weight."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.shape[:-1].numel()
+        compiled_on_cpu = torch.compiler.is_compiling() and x.device.type == "cpu"
+        if compiled_on_cpu and tokens == 1:
+            x_row = materialize(x.reshape(1, -1))  # (1, in_features)
+            y = (self.weight.float() * x_row.float()).sum(-1).to(x.dtype)  # (out_features,)
+            y = y.view(*x.shape[:-1], -1)  # (..., out_features)
+            return y if self.bias is None else y + self.bias
+        if (compiled_on_cpu and tokens <= MAX_TOKENS and self.weight.dtype in (torch.float32, torch.bfloat16)
+                and available()):
+            y = small_linear(x.float(), self.weight).to(x.dtype)  # (..., out_features)
+            return y if self.bias is None else y + self.bias
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_HAS_BF16 and tokens > 1:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # one rounding, at the end
+        return super().forward(x)
+
+
+class CpuAttention(Attention):
+    """model.Attention with two CPU paths for up to 16 queries under a mask (decode, a verify):
+    `attend`, which reads only the keys each query's mask allows; without the kernels, a
+    compiled decode step spelled out, which inductor fuses into the layer's kernel where CPU
+    SDPA would cost a mostly fixed overhead per call."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+        B, n_heads, T, head_dim = q.shape
+        if mask is None or q.device.type != "cpu":
+            return super().attend(q, k, v, mask)
+        n_kv_heads, scale = k.shape[1], self.scale or head_dim ** -0.5
+        # each KV head's query group folded into the query length, as model.Attention does
+        q_groups = q.reshape(B, n_kv_heads, -1, head_dim)  # (B, n_kv_heads, group * T, head_dim)
+        if T <= MAX_TOKENS and k.dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and available():
+            y = attend(q_groups, k, v, mask, scale, self.softcap or 0.0).to(q.dtype)
+            return y.view(B, n_heads, T, head_dim)
+        if T == 1 and torch.compiler.is_compiling():
+            # scores (B, n_kv_heads, group, S); the mask (B, 1, 1, S) broadcasts over heads and group
+            scores = (q_groups.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1) * scale
+            if self.softcap:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            probs = torch.softmax(scores + mask, dim=-1)
+            y = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2).to(q.dtype)  # (B, n_kv_heads, group, head_dim)
+            return y.view(B, n_heads, T, head_dim)
+        return super().attend(q, k, v, mask)
+
+
+def install(model: nn.Module) -> nn.Module:
+    """Swap the CPU fast paths into a built model, in place, after its weights are loaded: every
+    exact nn.Linear becomes a CpuLinear and every model.Attention a CpuAttention, keeping their
+    parameters, buffers and hooks (tied and tensor-parallel weights stay as they are).
+    quantize.py's packed layers are not nn.Linear and stay. A no-op for a model whose weights
+    are not on the CPU, and when called again. Returns the model."""
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return model
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = CpuLinear
+        elif type(module) is Attention:
+            module.__class__ = CpuAttention
+    return model

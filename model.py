@@ -1,6 +1,9 @@
-"""A decoder-only transformer for fast inference: one `Transformer` for the Llama family
-(Llama 2/3, Mistral, SmolLM2, Qwen2) and the Gemma family (Gemma 1, 2, 3). Every variation is a field of `ModelArgs`, read from the
-checkpoint's config.json, never guessed from names.
+"""A decoder-only transformer: one `Transformer` for the Llama family (Llama 2/3, Mistral,
+SmolLM2, Qwen2) and the Gemma family (Gemma 1, 2, 3). Every variation is a field of `ModelArgs`,
+read from the checkpoint's config.json, never guessed from names.
+
+This is the reference: nn.Linear and SDPA, one path per module. kernels.install(model) swaps in
+the CPU fast paths, quantize.py its packed linears, tp.py its shards; this file knows none of them.
 
 The KV cache is preallocated to (max_batch_size, n_kv_heads, max_seq_length, head_dim) and
 written in place, so one decode step has static shapes and compiles to a single graph.
@@ -21,8 +24,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-
-import kernels
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -159,57 +160,6 @@ class RingKVCache(KVCache):
         return k_all, v_all
 
 
-class Linear(nn.Linear):
-    """nn.Linear, except for two CPU cases.
-
-    A matrix-vector product (batch-1 decode) in a compiled graph is spelled as multiply-and-sum
-    in float32: inductor turns it into one vectorized, multi-threaded reduction that streams the
-    weight (float32, or bfloat16/float16 widened in registers) near memory bandwidth, where BLAS
-    and oneDNN gemv reached about half of it on our AVX2 machines (SmolLM2-135M decode, float32:
-    36 against 23 tokens/s). In eager mode the product would be materialized, so there it stays
-    F.linear.
-    A compiled product of 2 to 16 tokens (a speculative verify, a small batch) goes to
-    kernels.small_linear, which reads each weight once for all tokens (a 9-token verify: 2 decode
-    steps instead of 4 with BLAS, `scripts/bench_kernels.py --what verify`). Eager runs keep
-    BLAS, the reference that the compiled paths are tested against.
-    A bfloat16 product of more tokens (prefill) on a CPU without bf16 instructions is done in
-    float32: oneDNN's bf16 GEMM is several times slower there than converting the weight."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        tokens = x.shape[:-1].numel()
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and tokens == 1:
-            xr = realized(x.reshape(1, -1))
-            y = (self.weight.float() * xr.float()).sum(-1).to(x.dtype)
-            y = y.view(*x.shape[:-1], -1)  # (..., out_features)
-            return y if self.bias is None else y + self.bias
-        if (torch.compiler.is_compiling() and x.device.type == "cpu" and tokens <= kernels.MAX_TOKENS
-                and self.weight.dtype in (torch.float32, torch.bfloat16) and kernels.available()):
-            y = kernels.small_linear(x.float(), self.weight).to(x.dtype)
-            return y if self.bias is None else y + self.bias
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_HAS_BF16 and tokens > 1:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # one rounding, at the end
-        return F.linear(x, self.weight, self.bias)
-
-
-def realized(x: Tensor) -> Tensor:
-    """x, stored to memory inside a compiled graph. Inductor otherwise inlines a cheap producer
-    (RMSNorm, the residual add) into the matrix-vector reduction that reads x, and recomputes it
-    for every output row: bfloat16 decode ran at 38 instead of 44 tokens/s."""
-    if torch.compiler.is_compiling():
-        return torch.ops.prims.inductor_force_stride_order(x, x.stride())
-    return x
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512-BF16 or AMX); True when unknown."""
-    flags = kernels.cpu_flags()
-    return flags is None or "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-CPU_HAS_BF16 = cpu_has_bf16()  # read once: the compiled graph sees a constant
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, weight_offset: float = 0.0):
         super().__init__()
@@ -228,44 +178,44 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(args: ModelArgs) -> tuple[Tensor, float]:
     """Inverse frequencies (head_dim/2,) and the cos/sin scale, for every static RoPE variant.
     Dynamic NTK depends on the sequence length and is finished in `Transformer.rope`."""
-    d, base = args.head_dim, args.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    s = args.rope_scaling or {}
-    kind = s.get("rope_type", "default")
+    head_dim, base = args.head_dim, args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
     if kind == "linear":  # position interpolation (Chen et al. 2023): positions / factor
-        return inv_freq / s["factor"], 1.0
+        return inv_freq / scaling["factor"], 1.0
     if kind == "llama3":  # Llama 3.1: scale long wavelengths, keep short ones, blend between
-        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old_ctx = s["original_max_position_embeddings"]
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_ctx / wavelen - lo) / (hi - lo)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         out = torch.where(wavelen > old_ctx / lo, inv_freq / factor, blended)
         return torch.where(wavelen < old_ctx / hi, inv_freq, out), 1.0
     if kind == "yarn":  # YaRN (Peng et al. 2023), eq. 15-20: ramp between interpolation and extrapolation
-        factor = s["factor"]
-        orig = s.get("original_max_position_embeddings") or args.max_position_embeddings
+        factor = scaling["factor"]
+        orig = scaling.get("original_max_position_embeddings") or args.max_position_embeddings
 
         def mscale(scale, m=1.0):
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-        attn_factor = s.get("attention_factor")
+        attn_factor = scaling.get("attention_factor")
         if attn_factor is None:
-            if s.get("mscale") and s.get("mscale_all_dim"):
-                attn_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+            if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+                attn_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
             else:
                 attn_factor = mscale(factor)
 
         def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times in orig
-            return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+            return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-        low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
-        if s.get("truncate", True):
+        low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
             low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, d - 1)
+        low, high = max(low, 0), min(high, head_dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         extrapolate = 1 - ramp  # 1 for high-frequency dims, which keep their original frequency
         return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attn_factor)
     return inv_freq, 1.0  # default and dynamic
@@ -278,9 +228,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.type_as(x)
 
 
-# Above this many tokens a prefill from slot 0 uses SDPA's causal mask rather than our additive one,
-# which lets the CPU kernel skip key blocks (of 512) past the diagonal; below, it computes them all
-# either way and the additive mask over the folded query groups was as fast.
+# Above this many tokens a prefill from slot 0 uses SDPA's causal mask rather than our additive one:
+# SDPA then skips whole blocks of keys past the diagonal, which only long prompts have.
 CAUSAL_SDPA_MIN_TOKENS = 512
 
 
@@ -290,18 +239,19 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.sliding = sliding
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = Linear(args.dim, qkv_dim, bias=args.attention_bias)  # q, k, v fused: one matmul
-        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.attention_bias)  # q, k, v fused: one matmul
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
-        self.scale = args.query_pre_attn_scalar ** -0.5 if args.query_pre_attn_scalar else None  # None: SDPA's 1/sqrt(head_dim)
+        # None: SDPA's 1/sqrt(head_dim)
+        self.scale = args.query_pre_attn_scalar ** -0.5 if args.query_pre_attn_scalar else None
         self.softcap = args.attn_logit_softcapping
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor], input_pos: Tensor,
-                last_only: bool = False) -> Tensor:
+                last_logits_only: bool = False) -> Tensor:
         """mask: additive (B, 1, T, S), or None for a whole sequence from slot 0 (causal, S = T).
-        last_only: every position's keys and values go to the cache, but only the last
+        last_logits_only: every position's keys and values go to the cache, but only the last
         position's output is computed (the last layer of a prefill)."""
         B, T, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
@@ -314,49 +264,38 @@ class Attention(nn.Module):
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv_heads, S, head_dim); a ring cache: S = window + T
         S = T if mask is None else mask.shape[-1]  # the keys the mask covers: prefill skips the cache's empty tail
         k, v = k[:, :, :S], v[:, :, :S]
-        if last_only:
+        if last_logits_only:
             q, mask, T = q[:, :, -1:], None if mask is None else mask[:, :, -1:], 1
-        if mask is None:
-            # SDPA's own causal mask skips whole blocks of keys past the diagonal (the CPU kernel's
-            # blocks are 512 keys: a 988-token SmolLM2 prefill's attention took 15.5 instead of
-            # 26.7 ms a layer); the last position alone sees every key
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=True)
-            return self.wo(y.transpose(1, 2).reshape(B, T, nh * hd))
+        y = self.attend(q, k, v, mask)  # (B, n_heads, T, head_dim)
+        return self.wo(y.transpose(1, 2).reshape(B, T, nh * hd))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """softmax(scale * q k^T + mask) v: q (B, n_heads, T, head_dim), k and v
+        (B, n_kv_heads, S, head_dim), mask (B, 1, T, S) or None (causal). Returns q's shape."""
+        B, nh, T, hd = q.shape
+        if mask is None:  # SDPA's own causal mask; the last position alone sees every key
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=True)
         # Grouped-query attention without repeating K/V: fold each KV head's query group into
         # the query length, so one SDPA call reads every cached key once.
+        nkv, S = k.shape[1], mask.shape[-1]
         group = nh // nkv
         q = q.reshape(B, nkv, group * T, hd)  # (B, n_kv_heads, group*T, head_dim)
-        if (x.device.type == "cpu" and T <= kernels.MAX_TOKENS and k.dtype in (torch.float32, torch.bfloat16)
-                and hd % 8 == 0 and kernels.available()):
-            # decode and verify: kernels.py reads only the keys each query's mask allows
-            y = kernels.attend(q, k, v, mask, self.scale or hd ** -0.5, self.softcap or 0.0).to(q.dtype)
-            return self.wo(y.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd))
-        mask = mask.unsqueeze(2).expand(B, 1, group, T, mask.shape[-1]).reshape(B, 1, group * T, -1)
-        if T == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-            # decode: spelled out, inductor fuses it into the layer's kernel; CPU SDPA costs about
-            # 90 us a call here, mostly fixed overhead (3 ms of a 22 ms SmolLM2 token)
-            scores = (q.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1)  # (B, n_kv_heads, group, S)
-            scores = scores * (self.scale or hd ** -0.5)
-            if self.softcap:
-                scores = torch.tanh(scores / self.softcap) * self.softcap
-            probs = torch.softmax(scores + mask, dim=-1)
-            y = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2).to(q.dtype)  # (B, n_kv_heads, group, head_dim)
-        elif self.softcap:  # SDPA cannot soft-cap the scores: spell attention out
+        mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
+        if self.softcap:  # SDPA cannot soft-cap the scores: spell attention out
             scores = q @ k.transpose(-2, -1) * (self.scale or hd ** -0.5)  # (B, n_kv_heads, group*T, S)
             scores = torch.tanh(scores / self.softcap) * self.softcap + mask
             y = torch.softmax(scores.float(), dim=-1).type_as(q) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        y = y.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
-        return self.wo(y)
+        return y.view(B, nh, T, hd)  # (B, n_heads, T, head_dim)
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = Linear(args.dim, args.intermediate_size, bias=False)  # gate
-        self.w3 = Linear(args.dim, args.intermediate_size, bias=False)  # up
-        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)  # down
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
         self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -373,10 +312,10 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = norm() if args.post_norms else nn.Identity()
         self.post_ffn_norm = norm() if args.post_norms else nn.Identity()
 
-    def forward(self, x, cos, sin, masks, input_pos, last_only: bool = False):
+    def forward(self, x, cos, sin, masks, input_pos, last_logits_only: bool = False):
         mask = masks[1] if self.attention.sliding else masks[0]
-        a = self.attention(self.attention_norm(x), cos, sin, mask, input_pos, last_only)
-        h = (x[:, -1:] if last_only else x) + self.post_attention_norm(a)
+        a = self.attention(self.attention_norm(x), cos, sin, mask, input_pos, last_logits_only)
+        h = (x[:, -1:] if last_logits_only else x) + self.post_attention_norm(a)
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -387,7 +326,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args, t) for t in args.layer_types)
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_weight_offset)
-        self.output = Linear(args.dim, args.vocab_size, bias=False)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = self.max_seq_length = -1
@@ -421,13 +360,14 @@ class Transformer(nn.Module):
             angles = positions.unsqueeze(-1).float() * self.local_inv_freq  # (B, T, head_dim/2)
             return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
         inv_freq = self.inv_freq
-        s = self.args.rope_scaling or {}
-        if s.get("rope_type") == "dynamic":
+        scaling = self.args.rope_scaling or {}
+        if scaling.get("rope_type") == "dynamic":
             # Dynamic NTK: stretch the base once the sequence outgrows the trained context.
-            d, orig = self.args.head_dim, self.args.max_position_embeddings
+            head_dim, orig = self.args.head_dim, self.args.max_position_embeddings
             seq_len = (positions.max() + 1).float().clamp(min=orig)
-            base = self.args.rope_theta * ((s["factor"] * seq_len / orig) - (s["factor"] - 1)) ** (d / (d - 2))
-            exponent = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d
+            factor = scaling["factor"]
+            base = self.args.rope_theta * ((factor * seq_len / orig) - (factor - 1)) ** (head_dim / (head_dim - 2))
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
             inv_freq = 1.0 / base ** exponent
         angles = positions.unsqueeze(-1).float() * inv_freq  # (B, T, head_dim/2)
         cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
@@ -439,21 +379,21 @@ class Transformer(nn.Module):
         (global, sliding window). Additive masks run faster than boolean ones in CPU SDPA.
         With a ring cache the sliding mask is (B, 1, T, window + T), over RingKVCache.update's keys.
         sdpa_causal: the global mask is None (Attention then uses SDPA's own causal mask)."""
-        q = input_pos.view(1, -1, 1)  # (1, T, 1) cache slot of each query
+        query_pos = input_pos.view(1, -1, 1)  # (1, T, 1) cache slot of each query
 
-        def allowed(k):  # (B, T, S) for keys at absolute positions k (1, 1, S): not the future, not padding
-            causal = (k <= q) & (k >= pad.view(-1, 1, 1))
-            return causal | (k == q)  # a padding query sees itself, so its softmax has no empty row
+        def allowed(key_pos):  # (B, T, S) for keys at absolute positions (1, 1, S): not the future, not padding
+            causal = (key_pos <= query_pos) & (key_pos >= pad.view(-1, 1, 1))
+            return causal | (key_pos == query_pos)  # a padding query sees itself, so its softmax has no empty row
 
-        k = torch.arange(kv_len, device=input_pos.device).view(1, 1, -1)  # (1, 1, S) the slots in use
-        causal = allowed(k)
+        key_pos = torch.arange(kv_len, device=input_pos.device).view(1, 1, -1)  # (1, 1, S) the slots in use
+        causal = allowed(key_pos)
         window = self.args.sliding_window
         if self.ring_window:
             # before this chunk, ring slot j holds the last position = j (mod window); negative: empty
             start, w = input_pos[0], self.ring_window
             ring = start - w + (torch.arange(w, device=input_pos.device) - start) % w  # (window,)
-            k = torch.cat([ring, input_pos]).view(1, 1, -1)  # (1, 1, window + T)
-        local = allowed(k) & (q - k < window) if window else causal
+            key_pos = torch.cat([ring, input_pos]).view(1, 1, -1)  # (1, 1, window + T)
+        local = allowed(key_pos) & (query_pos - key_pos < window) if window else causal
 
         def additive(allowed):
             return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
@@ -484,9 +424,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             c, s = local_rope if layer.attention.sliding else (cos, sin)
             # prefill needs only the next token's logits: past the last layer's keys and values
-            # (the cache needs them), compute the last position only (3% of a 494-token
-            # SmolLM2 prefill's products), and skip the vocab matmul for the rest
-            x = layer(x, c, s, masks, input_pos, last_only=last_logits_only and i == len(self.layers) - 1)
+            # (the cache needs them), compute the last position only, and skip the vocab matmul
+            # for the rest
+            x = layer(x, c, s, masks, input_pos, last_logits_only=last_logits_only and i == len(self.layers) - 1)
         logits = self.output(self.norm(x))
         if self.args.final_logit_softcapping:
             cap = self.args.final_logit_softcapping

@@ -1,9 +1,12 @@
 """The measurements behind the kernel choices in the README, on one model's layer shapes.
 
-    python scripts/bench_kernels.py --what layers    # one decode token's products, per kernel
-    python scripts/bench_kernels.py --what verify    # a compiled (k+1)-token verify vs a decode step
-    python scripts/bench_kernels.py --what prefill   # where a 494-token prefill spends its time
-    python scripts/bench_kernels.py --what prefill --dtype bfloat16   # the same in bfloat16
+    python -m scripts.bench_kernels --what layers    # one decode token's products, per kernel
+    python -m scripts.bench_kernels --what verify    # a compiled (k+1)-token verify vs a decode step
+    python -m scripts.bench_kernels --what prefill   # where a 494-token prefill spends its time
+    python -m scripts.bench_kernels --what prefill --dtype bfloat16   # the same in bfloat16
+
+Run from the repository root. The model runs with kernels.py's CPU paths installed, as
+engine.load_model does.
 
 Every row of a table is timed in the same process, in interleaved rounds (median shown), so
 the ratios hold even when the machine drifts. Speeds of whole runs are scripts/bench.py's job.
@@ -17,13 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import kernels
+import quantize as Q
+from engine import Sampling, decode_one_token, load_model, prefill
+from model import ModelArgs
 
-import kernels  # noqa: E402
-import quantize as Q  # noqa: E402
-from generate import Sampling, decode_one_token, load_model, prefill  # noqa: E402
-from model import Linear, ModelArgs, realized  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def timed(fns: dict, rounds: int, calls: int) -> dict:
@@ -49,9 +51,9 @@ def layer_shapes(args: ModelArgs) -> list:
 
 
 def int8_unpack_then_reduce(layer: Q.Int8Linear, x):
-    """The int8 kernel before this form was replaced: unpack to (out, blocks, 4, 8), then one reduction."""
+    """Another int8 expression for inductor: unpack to (out, blocks, 4, 8), then one reduction."""
     blocks = layer.packed.shape[1]
-    xb = realized(Q.padded_tokens(x, blocks * 32)).view(blocks, 4, 8)
+    xb = kernels.materialize(Q.padded_tokens(x, blocks * 32)).view(blocks, 4, 8)  # (blocks, 4, 8)
     return (Q.unpack_int8(layer.packed).float() * xb).sum((-3, -2, -1)) * layer.scales
 
 
@@ -65,7 +67,7 @@ def bench_layers(args: ModelArgs, a):
     def linears(dtype):
         mods = []
         for w in weights:
-            lin = Linear(w.shape[1], w.shape[0], bias=False)
+            lin = kernels.CpuLinear(w.shape[1], w.shape[0], bias=False)
             lin.weight.data = w.to(dtype)
             mods.append(lin)
         return mods
@@ -121,7 +123,8 @@ def bench_layers(args: ModelArgs, a):
         "bfloat16 multiply-and-sum, compiled (ours)": compiled(b16),
         "int8 kernels.q8_linear, int8 activations, compiled (ours)": compiled(i8),
         "int8 four shifted terms, compiled (inductor; without kernels.py)": compiled(i8_lanes),
-        "int8 unpack then reduce, compiled (before that)": compiled(i8_lanes, int8_unpack_then_reduce),
+        "int8 unpack then reduce, compiled (inductor; alternative expression)":
+            compiled(i8_lanes, int8_unpack_then_reduce),
         "int8 _weight_int8pack_mm, bf16 activations": lambda: [
             torch.ops.aten._weight_int8pack_mm(x, q, s.bfloat16()) for x, (q, s) in zip(xs16, int8_rows)],
         "int8 fbgemm quantized::linear_dynamic": lambda: [
@@ -170,7 +173,8 @@ def bench_verify(model, a):
     out, inp = model.args.intermediate_size, model.args.dim
     w = torch.randn(out, inp)
     # (out, T): each weight row read once and reused for every token; inductor keeps one accumulator
-    mulsum = torch.compile(lambda w, x: (w[:, None, :] * realized(x)).sum(-1).t(), fullgraph=True, dynamic=False)
+    mulsum = torch.compile(lambda w, x: (w[:, None, :] * kernels.materialize(x)).sum(-1).t(), fullgraph=True,
+                           dynamic=False)
     print(f"\n| tokens | {out}x{inp} multiply-and-sum, compiled, us | F.linear (BLAS), us | kernels.small_linear, us |"
           "\n|---|---|---|---|")
     with torch.inference_mode():
@@ -225,7 +229,7 @@ def main(argv=None):
     if a.what in ("layers", "all"):
         bench_layers(ModelArgs.from_json(a.checkpoint / "config.json"), a)
     if a.what in ("verify", "prefill", "all"):
-        model = load_model(a.checkpoint, torch.device("cpu"), getattr(torch, a.dtype))
+        model = kernels.install(load_model(a.checkpoint, torch.device("cpu"), getattr(torch, a.dtype)))
         if a.what in ("verify", "all"):
             print()
             bench_verify(model, a)

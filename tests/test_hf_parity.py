@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
+import kernels  # noqa: E402
 from convert_hf_checkpoint import convert_hf_checkpoint  # noqa: E402
 from model import CAUSAL_SDPA_MIN_TOKENS, ModelArgs, Transformer  # noqa: E402
 
@@ -149,11 +150,15 @@ def test_prefill_logits_match_hf(case):
     assert diff <= TOL, f"{name}: prefill logits differ by {diff:.2e}"
 
 
+@pytest.mark.parametrize("fast_paths", [False, True], ids=["reference", "kernels-installed"])
 @torch.inference_mode()
-def test_incremental_decode_matches_hf(case):
-    """Teacher-forced decode, one token per step through both KV caches."""
+def test_incremental_decode_matches_hf(case, fast_paths):
+    """Teacher-forced decode, one token per step through both KV caches; also with kernels.py's
+    CPU paths installed, as load_model does (its attention kernel serves every step)."""
     name, hf_dir, our_dir = case
     hf, ours = load_hf(hf_dir), load_ours(our_dir)
+    if fast_paths:
+        kernels.install(ours)
     ids = tokens(PROMPT_LEN + DECODE_STEPS, seed=2)
     out = hf(ids[:, :PROMPT_LEN], use_cache=True)
     pkv = out.past_key_values

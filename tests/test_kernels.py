@@ -1,5 +1,7 @@
-"""kernels.py: the register-blocked few-token float product used for speculative verifies, and
-the build variants of the integer loops (their products are checked in test_quantize.py)."""
+"""kernels.py: the register-blocked few-token float product used for speculative verifies, the
+build variants of the integer loops (their products are checked in test_quantize.py), and
+install(), which swaps the CPU fast paths into a model."""
+import copy
 import os
 import subprocess
 import sys
@@ -7,16 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from model import Linear
+import model as reference
+import quantize
+from conftest import random_model
 
 
 def test_small_linear_is_built_on_avx2_machines():
     # the verify speed-ups in the README depend on it: a failed build must not go unnoticed
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        assert kernels.available()
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no AVX2 on this CPU: the kernels are not built, callers take F.linear, SDPA and inductor")
+    assert kernels.available()
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
@@ -52,7 +58,7 @@ def test_small_linear_gives_a_token_the_same_bits_whatever_the_token_count():
 
 def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
     torch.manual_seed(0)
-    lin = Linear(64, 48, bias=True)
+    lin = kernels.CpuLinear(64, 48, bias=True)
     x = torch.randn(1, 5, 64)  # 5 tokens: the small_linear path
     ref = x.double() @ lin.weight.double().t() + lin.bias.double()
     calls, graphs = [], []
@@ -87,3 +93,56 @@ def test_the_other_build_of_the_integer_loops_gives_the_same_products():
                        env={**os.environ, "MINILLM_KERNELS_VNNI": "0", "PYTHONPATH": str(root)})
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "AVX2; built once" in r.stderr and " passed" in r.stdout
+
+
+def test_install_swaps_float_linears_and_attention_only_once():
+    model = random_model(tie_word_embeddings=True)
+    linears = {name for name, m in model.named_modules() if type(m) is nn.Linear}
+    weights = {name: p for name, p in model.named_parameters()}
+    assert kernels.install(model) is model
+    assert all(type(model.get_submodule(name)) is kernels.CpuLinear for name in linears)
+    assert all(type(layer.attention) is kernels.CpuAttention for layer in model.layers)
+    assert all(p is weights[name] for name, p in model.named_parameters())  # same tensors, tie kept
+    assert model.output.weight is model.tok_embeddings.weight
+    kernels.install(model)
+    assert type(model.output) is kernels.CpuLinear and type(model.layers[0].attention) is kernels.CpuAttention
+
+
+def test_install_leaves_packed_layers_and_models_off_the_cpu():
+    model = random_model(n_layers=1)
+    quantize.use_quantized_layers(model, {"mode": "int8"})
+    kernels.install(model)
+    assert isinstance(model.layers[0].feed_forward.w1, quantize.Int8Linear)
+    with torch.device("meta"):
+        off_cpu = reference.Transformer(reference.ModelArgs(vocab_size=64, dim=32, intermediate_size=64,
+                                                            n_layers=1, n_heads=2))
+    kernels.install(off_cpu)
+    assert type(off_cpu.output) is nn.Linear and type(off_cpu.layers[0].attention) is reference.Attention
+
+
+@pytest.mark.parametrize("variant", [
+    dict(n_kv_heads=1, attention_bias=True),  # MQA, q/k/v biases
+    dict(sliding_window=5, attn_logit_softcapping=20.0, tie_word_embeddings=False),  # ring cache, soft-capping
+])
+@pytest.mark.parametrize("with_kernels", [True, False], ids=["kernels", "without-kernels"])
+def test_installed_model_matches_the_reference(variant, with_kernels, one_thread):
+    """The fast paths against model.py's reference: eager (attend for a few queries), a
+    compiled decode step (multiply-and-sum products; attend, or attention spelled out without
+    the kernels) and a compiled 5-token forward (small_linear), from the same cache."""
+    ref = random_model(**variant)
+    fast = kernels.install(copy.deepcopy(ref))
+    torch._dynamo.reset()  # a compiled graph reads kernels.available() when it is traced
+    step = torch.compile(lambda m, t, p: m(t, p), fullgraph=True)
+    with torch.inference_mode(), (kernels.switched_off() if not with_kernels else torch.no_grad()):
+        for m in (ref, fast):
+            m.setup_caches(1, 32)
+            m(torch.arange(3, 11).view(1, -1), torch.arange(8))
+        for i, t in enumerate([17, 99, 4, 250, 31, 8]):
+            tokens, pos = torch.tensor([[t]]), torch.tensor([8 + i])
+            if i % 2:
+                expected, got = ref(tokens, pos), step(fast, tokens, pos)
+            else:
+                expected, got = ref(tokens, pos), fast(tokens, pos)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        chunk, chunk_pos = torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(14, 19)
+        torch.testing.assert_close(step(fast, chunk, chunk_pos), ref(chunk, chunk_pos), atol=1e-4, rtol=0)
