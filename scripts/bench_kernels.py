@@ -57,10 +57,10 @@ def int8_unpack_then_reduce(layer: Q.Int8Linear, x):
     return (Q.unpack_int8(layer.packed).float() * xb).sum((-3, -2, -1)) * layer.scales
 
 
-def bench_layers(args: ModelArgs, a):
+def bench_layers(model_args: ModelArgs, options):
     """One decode token's products over all blocks (milliseconds per token), by kernel."""
     torch.manual_seed(0)
-    shapes = layer_shapes(args)
+    shapes = layer_shapes(model_args)
     weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
     xs = [torch.randn(1, 1, i) for _, i in shapes]
 
@@ -134,16 +134,16 @@ def bench_layers(args: ModelArgs, a):
         "int4 g32 kernels.q4_linear, int8 activations, compiled (ours)": compiled(i4),
         "int4 g32 unpacking expression, compiled (inductor; without kernels.py)": compiled(i4_lanes),
     }
-    weights_mb = sum(w.numel() for w in weights) * args.n_layers / 1e6
-    print(f"one decode token's products over {args.n_layers} blocks ({weights_mb:.0f}M weights), "
-          f"median of {a.rounds} interleaved rounds; per-call overhead included")
+    weights_mb = sum(w.numel() for w in weights) * model_args.n_layers / 1e6
+    print(f"one decode token's products over {model_args.n_layers} blocks ({weights_mb:.0f}M weights), "
+          f"median of {options.rounds} interleaved rounds; per-call overhead included")
     print("| kernel | ms per token |\n|---|---|")
     with torch.inference_mode():
-        for name, ms in timed(fns, a.rounds, a.calls).items():
-            print(f"| {name} | {ms * args.n_layers:.2f} |")
+        for name, ms in timed(fns, options.rounds, options.calls).items():
+            print(f"| {name} | {ms * model_args.n_layers:.2f} |")
 
 
-def bench_verify(model, a):
+def bench_verify(model, options):
     """A decode step against a (k+1)-token forward (compiled with kernels.small_linear, compiled
     with BLAS, eager); and one layer's product at several token counts: compiled
     multiply-and-sum, BLAS and kernels.small_linear."""
@@ -151,7 +151,7 @@ def bench_verify(model, a):
     model.setup_caches(1, 512)
     step = torch.compile(decode_one_token, fullgraph=True)
     verify = torch.compile(lambda m, t, p: m(t, p)[0].argmax(-1), fullgraph=True, dynamic=False)
-    k = a.speculate_k
+    k = options.speculate_k
     tokens, positions = torch.arange(5, 6 + k).view(1, -1), torch.arange(100, 101 + k)
     cur, pos = torch.tensor([[5]]), torch.tensor([100])
     # the same verify traced with kernels.small_linear switched off: a compiled graph reads the
@@ -165,7 +165,7 @@ def bench_verify(model, a):
                     f"{k + 1}-token verify, compiled": lambda: verify(model, tokens, positions),
                     f"{k + 1}-token verify, compiled, BLAS instead of kernels.small_linear":
                         lambda: verify_blas(model, tokens, positions),
-                    f"{k + 1}-token forward, eager (BLAS)": lambda: model(tokens, positions)}, a.rounds, 5)
+                    f"{k + 1}-token forward, eager (BLAS)": lambda: model(tokens, positions)}, options.rounds, 5)
     print(f"| forward ({model.args.dim}-dim model, 512-slot cache) | ms | decode steps |\n|---|---|---|")
     for name, t in ms.items():
         print(f"| {name} | {t:.1f} | {t / ms['decode step, compiled']:.2f} |")
@@ -181,11 +181,11 @@ def bench_verify(model, a):
         for T in (1, 2, 4, 9, 16):
             x = torch.randn(T, inp)
             r = timed({"mulsum": lambda: mulsum(w, x), "blas": lambda: F.linear(x, w),
-                       "small": lambda: kernels.small_linear(x, w)}, a.rounds, 50)
+                       "small": lambda: kernels.small_linear(x, w)}, options.rounds, 50)
             print(f"| {T} | {r['mulsum'] * 1e3:.0f} | {r['blas'] * 1e3:.0f} | {r['small'] * 1e3:.0f} |")
 
 
-def bench_prefill(model, a):
+def bench_prefill(model, options):
     """Operator shares of an eager 494-token prefill, then eager against compiled prefill."""
     T = 494
     model.setup_caches(1, 640)
@@ -203,7 +203,7 @@ def bench_prefill(model, a):
             print(f"| {e.key} | {100 * e.self_cpu_time_total / total:.0f}% |")
         ms = timed({"eager": lambda: prefill(model, tokens, positions, pad, s, T),
                     "compiled (--compile_prefill)": lambda: compiled(model, tokens, positions, pad, s, T)},
-                   a.rounds, 1)
+                   options.rounds, 1)
     print(f"\n| {T}-token prefill | ms |\n|---|---|")
     for name, t in ms.items():
         print(f"| {name} | {t:.0f} |")
@@ -221,21 +221,21 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="verify, prefill: the model's dtype")
-    a = p.parse_args(argv)
-    if not (a.checkpoint / "config.json").is_file():
-        print(f"error: no checkpoint at {a.checkpoint} (run scripts/prepare.py smollm2-135m)", file=sys.stderr)
+    options = p.parse_args(argv)
+    if not (options.checkpoint / "config.json").is_file():
+        print(f"error: no checkpoint at {options.checkpoint} (python download.py smollm2-135m)", file=sys.stderr)
         return 1
-    torch.set_num_threads(a.threads)
-    if a.what in ("layers", "all"):
-        bench_layers(ModelArgs.from_json(a.checkpoint / "config.json"), a)
-    if a.what in ("verify", "prefill", "all"):
-        model = kernels.install(load_model(a.checkpoint, torch.device("cpu"), getattr(torch, a.dtype)))
-        if a.what in ("verify", "all"):
+    torch.set_num_threads(options.threads)
+    if options.what in ("layers", "all"):
+        bench_layers(ModelArgs.from_json(options.checkpoint / "config.json"), options)
+    if options.what in ("verify", "prefill", "all"):
+        model = kernels.install(load_model(options.checkpoint, torch.device("cpu"), getattr(torch, options.dtype)))
+        if options.what in ("verify", "all"):
             print()
-            bench_verify(model, a)
-        if a.what in ("prefill", "all"):
+            bench_verify(model, options)
+        if options.what in ("prefill", "all"):
             print()
-            bench_prefill(model, a)
+            bench_prefill(model, options)
     return 0
 
 

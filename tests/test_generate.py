@@ -1,4 +1,5 @@
 """generate.py: batching, compile, chat cache reuse, sampling, the golden output, the CLI and its errors."""
+import copy
 import json
 import platform
 import sys
@@ -7,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, random_model, run_script, save_checkpoint
+import kernels
+from conftest import random_model, run_script, save_checkpoint
 from engine import Chat, Engine, Sampling, load_model, logits_to_probs, sample
 
 GOLDEN = Path(__file__).parent / "golden" / "smollm2-135m.json"
@@ -46,8 +48,8 @@ def test_stop_tokens_end_each_row_independently():
 def test_compiled_decode_matches_eager():
     model = random_model(n_layers=2)
     prompt = [list(range(3, 19))]
-    eager = greedy(Engine(model), prompt, 32)
-    compiled = greedy(Engine(model, compile=True), prompt, 32)
+    eager = greedy(Engine(model), prompt, 32)  # the reference
+    compiled = greedy(Engine(kernels.install(copy.deepcopy(model)), compile=True), prompt, 32)  # the CPU fast paths
     assert compiled == eager
 
 
@@ -56,10 +58,10 @@ def test_compiled_decode_matches_eager():
     dict(sliding_window=5, attn_logit_softcapping=20.0, tie_word_embeddings=False),  # ring cache, soft-capping
 ])
 def test_compiled_decode_step_logits_match_eager(variant):
-    """The compiled CPU decode step spells attention and the matrix-vector products out
-    (model.Attention, model.Linear): its logits equal eager ones at every step, and so do those
-    of a compiled 5-token forward (speculative verification)."""
-    model = random_model(**variant)
+    """The compiled CPU decode step with kernels.py's fast paths (CpuAttention, CpuLinear): its
+    logits equal eager ones at every step, and so do those of a compiled 5-token forward
+    (speculative verification)."""
+    model = kernels.install(random_model(**variant))
     step = torch.compile(lambda m, t, p: m(t, p), fullgraph=True)
     with torch.inference_mode():
         model.setup_caches(1, 32)

@@ -14,13 +14,12 @@ import math
 
 import pytest
 import torch
+import transformers  # the oracle: a test environment without it fails here, it does not skip
 from safetensors.torch import load_file
 
-transformers = pytest.importorskip("transformers")
-
-import kernels  # noqa: E402
-from convert_hf_checkpoint import convert_hf_checkpoint  # noqa: E402
-from model import CAUSAL_SDPA_MIN_TOKENS, ModelArgs, Transformer  # noqa: E402
+import kernels
+from convert_hf_checkpoint import convert_hf_checkpoint
+from model import CAUSAL_SDPA_MIN_TOKENS, ModelArgs, Transformer
 
 TOL = 1e-4
 PROMPT_LEN = 40  # longer than max_position_embeddings=32 below, so dynamic NTK actually rescales
