@@ -41,6 +41,7 @@ Batch size 1 only: rows of a batch accept different numbers of tokens; larger ba
 """
 import json
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -134,7 +135,7 @@ class RingSnapshot:
 
 # ---------------------------------------------------------------- proposers
 
-class Proposer:
+class Proposer(ABC):
     """What SpeculativeEngine asks of a proposer. Each generate call: start(context) once, then
     per round propose(context, k) and accepted(n). context is every token so far, by position;
     its last token has not been through the target yet."""
@@ -149,12 +150,13 @@ class Proposer:
     def warm_up(self, sampling: Sampling):
         """Run any compiled graph once before timing."""
 
+    @abstractmethod
     def start(self, context: list, sampling: Sampling):
         """A new generate call over `context`."""
 
+    @abstractmethod
     def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
         """Up to k proposed ids, and their distributions q (m, V), or None for point masses or greedy."""
-        raise NotImplementedError
 
     def accepted(self, n: int):
         """The target kept the first n proposals of the last round."""

@@ -1,5 +1,4 @@
 """Fixtures shared by the test files: the real default model and small random checkpoints."""
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,17 +51,10 @@ def random_model(seed=0, std=0.3, **overrides):
 
 
 def save_checkpoint(model, out_dir: Path, tokenizer_from: Path = None) -> Path:
-    """Write `model` in our checkpoint format, with tokenizer files copied from another checkpoint."""
-    import json
-    from safetensors.torch import save_file
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(model.args.to_dict(), indent=2))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    """Write `model` in our checkpoint format (checkpoint.py's writer), with tokenizer files copied
+    from another checkpoint."""
+    from checkpoint import copy_files, write_checkpoint
+    state = dict(model.state_dict())
     if model.args.tie_word_embeddings:
         state.pop("output.weight")
-    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
-    if tokenizer_from:
-        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja"):
-            if (tokenizer_from / f).exists():
-                shutil.copy(tokenizer_from / f, out_dir / f)
-    return out_dir
+    return write_checkpoint(out_dir, model.args, state, copy_files(tokenizer_from) if tokenizer_from else None)

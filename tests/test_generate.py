@@ -306,13 +306,6 @@ if __name__ == "__main__":  # PYTHONPATH=. python tests/test_generate.py --updat
         update_golden()
 
 
-def test_bench_kernels_script_help_and_missing_checkpoint(tmp_path):
-    r = run_script("-m", "scripts.bench_kernels", "--help")
-    assert r.returncode == 0 and "--what" in r.stdout
-    r = run_script("-m", "scripts.bench_kernels", "--checkpoint", tmp_path / "nothing", "--what", "layers")
-    assert r.returncode == 1 and r.stderr.strip().startswith("error: no checkpoint at")
-
-
 FAULTS_SCRIPT = """
 import resource, sys, torch
 from engine import load_model

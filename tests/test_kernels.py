@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import kernels
 import model as reference
 import quantize
-from conftest import random_model
+from conftest import random_model, run_script
 
 
 def test_small_linear_is_built_on_avx2_machines():
@@ -146,3 +146,10 @@ def test_installed_model_matches_the_reference(variant, with_kernels, one_thread
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
         chunk, chunk_pos = torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(14, 19)
         torch.testing.assert_close(step(fast, chunk, chunk_pos), ref(chunk, chunk_pos), atol=1e-4, rtol=0)
+
+
+def test_bench_kernels_script_help_and_missing_checkpoint(tmp_path):
+    r = run_script("-m", "scripts.bench_kernels", "--help")
+    assert r.returncode == 0 and "--what" in r.stdout
+    r = run_script("-m", "scripts.bench_kernels", "--checkpoint", tmp_path / "nothing", "--what", "layers")
+    assert r.returncode == 1 and r.stderr.strip().startswith("error: no checkpoint at")
