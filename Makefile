@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 MODEL := checkpoints/smollm2-135m
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: demo test test-slow bench setup setup-test clean
+.PHONY: demo serve test test-slow bench setup setup-test clean
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -28,6 +28,10 @@ $(MODEL)/config.json: $(VENV)/.installed
 
 demo: $(MODEL)/config.json
 	$(BIN)/python generate.py --checkpoint $(MODEL) --chat --prompt "$(PROMPT)" --max_new_tokens 200
+
+# an OpenAI-compatible server on http://127.0.0.1:8000/v1 (serve.py --help for its options)
+serve: $(MODEL)/config.json
+	$(BIN)/python serve.py --checkpoint $(MODEL)
 
 test: $(VENV)/.installed-test $(MODEL)/config.json
 	$(BIN)/python -m pytest -q

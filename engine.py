@@ -10,12 +10,14 @@ Data flows one way: checkpoint directory -> `load_model` -> `Transformer` -> `En
 then `decode_one_token` per step) -> token ids. `Chat` keeps a conversation's KV cache between
 turns. speculative.py's `SpeculativeEngine` has the same interface (`Generator`).
 """
+import collections
 import functools
 import resource
 import statistics
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -374,3 +376,295 @@ def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> di
         "bandwidth_gb_s": param_bytes(model) * steps_per_s / 1e9,
         "peak_memory_bytes": peak_memory_bytes(device),
     }
+
+
+# ---------------------------------------------------------------- continuous batching
+
+@dataclass(eq=False)
+class Request:
+    """One sequence of a BatchEngine: what it asks for, and its state. The callbacks run on the
+    thread that calls BatchEngine.step()."""
+    prompt: list
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    seed: Optional[int] = None  # its own random stream: the same tokens whatever runs beside it
+    stop_ids: frozenset = frozenset()
+    on_token: Optional[Callable] = None  # (request, token id) -> True to stop after this token
+    on_finish: Optional[Callable] = None  # (request), once finish_reason is set
+    out: list = field(default_factory=list)  # the new token ids
+    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "error"
+    error: Optional[str] = None
+    cached_tokens: int = 0  # leading prompt tokens whose keys and values a previous request left
+    slot: Optional[int] = None
+    fed: int = 0  # prompt tokens in the cache so far
+    cancelled: bool = False  # set from any thread: the engine ends the request at its next step
+    generator: Optional[torch.Generator] = None
+
+
+@dataclass(eq=False)
+class Slot:
+    """One row of the KV cache: the tokens whose keys and values it holds, kept after its request
+    ends, so that the next request with the same beginning prefills only the rest."""
+    cached: list = field(default_factory=list)
+    request: Optional[Request] = None
+    last_used: int = 0
+
+
+@dataclass
+class StepPlan:
+    """What one step computes, as plain lists (a tensor-parallel rank 0 sends it to the others):
+    one token for each decoding row, and prefill chunks (cache row, token ids, first position)."""
+    decode: list = field(default_factory=list)  # (cache row, token id, position)
+    prefill: list = field(default_factory=list)  # (cache row, [token ids], start position)
+
+
+def bucket(n: int, limit: int, smallest: int = 128) -> int:
+    """n rounded up to a power of two (at least `smallest`, at most `limit`): the cache length a
+    decode step attends over, so that a few compiled graphs serve every length."""
+    b = smallest
+    while b < n:
+        b *= 2
+    return min(b, limit)
+
+
+def decode_logits(model: Transformer, tokens: Tensor, input_pos: Tensor, rows: Tensor, kv_len: int) -> Tensor:
+    """One token for each row (B, 1) at its own position (B, 1) of its own cache row (B,): (B, V)."""
+    return model(tokens, input_pos, kv_len=kv_len, rows=rows)[:, -1]
+
+
+def sample_rows(logits: Tensor, params: list, generators: list) -> Tensor:
+    """(B, V) logits -> (B,) token ids, row b under its own Sampling params[b]; a row's random
+    draws come from generators[b] (None: torch's global one). One batched computation for the
+    rows that sample, argmax for the greedy ones; no host sync."""
+    ids = logits.argmax(-1)
+    hot = [b for b, p in enumerate(params) if p.temperature > 0]
+    if not hot:
+        return ids
+    V, device = logits.shape[-1], logits.device
+    x = logits[hot] / torch.tensor([params[b].temperature for b in hot], device=device).unsqueeze(1)
+    top_k = torch.tensor([min(params[b].top_k or V, V) for b in hot], device=device).unsqueeze(1)
+    top_p = torch.tensor([params[b].top_p for b in hot], device=device).unsqueeze(1)
+    if any(params[b].top_p < 1 for b in hot):  # top-k, then top-p over what is left (as logits_to_probs)
+        ranked, order = torch.sort(x, dim=-1, descending=True)
+        ranked = ranked.masked_fill(torch.arange(V, device=device) >= top_k, float("-inf"))
+        probs = torch.softmax(ranked, dim=-1)
+        ranked = ranked.masked_fill((probs.cumsum(-1) - probs) >= top_p, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, ranked)
+    elif any(params[b].top_k for b in hot):
+        kth = torch.topk(x, int(top_k.max()), dim=-1).values.gather(1, top_k - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    noise = torch.stack([torch.empty(V, device=device).exponential_(1, generator=generators[b]) for b in hot])
+    ids[hot] = (probs / noise).argmax(-1)
+    return ids
+
+
+class BatchEngine:
+    """Continuous batching over a static per-row KV cache (a server's engine).
+
+    Each request gets a cache row (a slot) of its own. Every step decodes one token for every
+    request past its prompt, all in one forward pass where each row has its own positions, and
+    then prefills prompt chunks (up to `prefill_chunk` tokens in all) of requests that wait, so
+    that running streams keep flowing while long prompts arrive. Requests join and leave between
+    steps. A finished request's slot keeps its keys and values: a new request takes the free slot
+    that shares the longest beginning with its prompt and prefills only the rest.
+
+    A request's output does not depend on what runs beside it: each row of a step is computed by
+    the same kernels whatever the others are (on CPU a step has at least two rows, a lone request
+    padded with one that writes to a scratch cache row), a prompt is prefilled in chunks at the
+    same boundaries whatever else is prefilled, and seeded requests draw from their own generator.
+
+    submit() and cancel() may be called from any thread; step() from one thread only.
+    """
+
+    def __init__(self, model: Transformer, max_batch_size: int, max_seq_length: int, compile: bool = False,
+                 compile_mode: str = "default", prefill_chunk: int = 256, max_waiting: int = 64):
+        self.model, self.device = model, model.norm.weight.device
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
+        model.setup_caches(max_batch_size + 1, max_seq_length)  # the last row: padding rows write there
+        self.scratch_row = max_batch_size
+        self.slots = [Slot() for _ in range(max_batch_size)]
+        self.waiting: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.wakeup = threading.Event()  # set by submit and cancel
+        self.steps = 0
+        self.counters = {"prompt_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                         "requests_finished": 0}
+        self.decode = decode_logits
+        self.min_rows = 1
+        if compile:
+            self.decode = torch.compile(decode_logits, fullgraph=True, **compile_options(self.device, compile_mode))
+            # a lone row would take the one-token kernels, other bits than beside others
+            self.min_rows = min(2, max_batch_size + 1) if self.device.type == "cpu" else 1
+        self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
+
+    # ---- from any thread
+
+    def submit(self, request: Request):
+        """Queue a request; UserError if it can never fit, QueueFull if too many wait."""
+        if not request.prompt:
+            raise UserError("the prompt is empty")
+        check_fits(0, len(request.prompt), request.max_new_tokens, self.max_seq_length)
+        if request.seed is not None and request.generator is None:
+            request.generator = torch.Generator(self.device).manual_seed(request.seed)
+        with self.lock:
+            free = sum(s.request is None for s in self.slots)  # requests that the next step admits
+            if len(self.waiting) >= self.max_waiting + free:
+                raise QueueFull(f"{self.max_batch_size} requests are running and {self.max_waiting} waiting")
+            self.waiting.append(request)
+        self.wakeup.set()
+
+    def cancel(self, request: Request):
+        request.cancelled = True
+        self.wakeup.set()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return sum(s.request is not None for s in self.slots), len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s.request is not None for s in self.slots)
+
+    # ---- the engine's thread
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Admit, plan, compute and hand out one step's tokens. False when there was nothing to do."""
+        self.steps += 1
+        self._admit()
+        plan = self._plan()
+        if not plan.decode and not plan.prefill:
+            return False
+        if self.broadcast is not None:
+            self.broadcast(plan)
+        try:
+            decoded, prefilled = self.run(plan)
+        except Exception as e:  # a fault in the forward pass ends the requests in it, not the engine
+            log(f"engine: step failed ({type(e).__name__}: {e})")
+            for row in {r for r, *_ in plan.decode + plan.prefill if r != self.scratch_row}:
+                self.slots[row].cached = []  # the row's keys and values may be half written
+                self._finish(self.slots[row].request, "error", f"{type(e).__name__}: {e}")
+            return True
+        self._commit(plan, decoded, prefilled)
+        return True
+
+    def run(self, plan: StepPlan) -> tuple[Optional[Tensor], list]:
+        """The model's part of a step (every tensor-parallel rank runs it): the decode rows'
+        logits (B, V) and each prefill chunk's last logits (V,)."""
+        device, decoded = self.device, None
+        if plan.decode:
+            rows = list(plan.decode) + [(self.scratch_row, 0, 0)] * (self.min_rows - len(plan.decode))
+            kv_len = bucket(max(pos for _, _, pos in rows) + 1, self.max_seq_length)
+            decoded = self.decode(self.model, torch.tensor([[t] for _, t, _ in rows], device=device),
+                                  torch.tensor([[p] for _, _, p in rows], device=device),
+                                  torch.tensor([r for r, _, _ in rows], device=device), kv_len)
+        prefilled = []
+        for row, ids, start in plan.prefill:
+            T = len(ids)
+            logits = self.model(torch.tensor([ids], device=device), torch.arange(start, start + T, device=device)[None],
+                                last_logits_only=True, kv_len=start + T, rows=torch.tensor([row], device=device))
+            prefilled.append(logits[0, -1])
+        return decoded, prefilled
+
+    def follow(self, receive: Callable):
+        """A tensor-parallel rank other than 0: run every plan rank 0 sends, until it sends None."""
+        with torch.inference_mode():
+            while (plan := receive()) is not None:
+                self.run(plan)
+
+    def _admit(self):
+        with self.lock:
+            for req in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(req)
+                self._finish(req, "cancelled")
+            for slot in self.slots:
+                if slot.request is not None and slot.request.cancelled:
+                    self._finish(slot.request, "cancelled")
+            free = [i for i, s in enumerate(self.slots) if s.request is None]
+            while free and self.waiting:
+                req = self.waiting.popleft()
+                # the free slot whose cache shares the longest beginning with the prompt; else the least recently used
+                keep, i = max((reusable_prefix(self.slots[i].cached, req.prompt, self.model.ring_window),
+                               -self.slots[i].last_used, i) for i in free)[0::2]
+                free.remove(i)
+                slot = self.slots[i]
+                slot.request, slot.cached = req, slot.cached[:keep]
+                req.slot, req.fed, req.cached_tokens = i, keep, keep
+                self.counters["prompt_tokens"] += len(req.prompt)
+                self.counters["cached_tokens"] += keep
+
+    def _plan(self) -> StepPlan:
+        plan = StepPlan()
+        prefilling = []
+        for i, slot in enumerate(self.slots):
+            req = slot.request
+            if req is None:
+                continue
+            if req.out:  # past its prompt: its last token goes in at the next position
+                plan.decode.append((i, req.out[-1], len(slot.cached)))
+            else:
+                prefilling.append(req)
+        budget = self.prefill_chunk
+        for req in sorted(prefilling, key=lambda r: self.slots[r.slot].last_used):  # first come, first served
+            # chunks at fixed offsets from where the request starts, whatever else runs
+            n = min(self.prefill_chunk, len(req.prompt) - req.fed)
+            if n > budget and plan.prefill:
+                break
+            plan.prefill.append((req.slot, req.prompt[req.fed:req.fed + n], req.fed))
+            budget -= n
+        return plan
+
+    def _commit(self, plan: StepPlan, decoded: Optional[Tensor], prefilled: list):
+        ready = []  # (request, its logits)
+        if plan.decode:
+            for b, (row, token, _) in enumerate(plan.decode):
+                self.slots[row].cached.append(token)
+                ready.append((self.slots[row].request, decoded[b]))
+        for (row, ids, _), logits in zip(plan.prefill, prefilled):
+            req = self.slots[row].request
+            self.slots[row].cached.extend(ids)
+            req.fed += len(ids)
+            self.counters["prefilled_tokens"] += len(ids)
+            if req.fed == len(req.prompt):
+                ready.append((req, logits))
+        if not ready:
+            return
+        try:
+            ids = sample_rows(torch.stack([logits for _, logits in ready]), [r.sampling for r, _ in ready],
+                              [r.generator for r, _ in ready]).tolist()
+        except Exception as e:
+            for req, _ in ready:
+                self._finish(req, "error", f"sampling failed: {type(e).__name__}: {e}")
+            return
+        for (req, _), token in zip(ready, ids):
+            self.slots[req.slot].last_used = self.steps
+            req.out.append(token)
+            self.counters["generated_tokens"] += 1
+            try:
+                stop = bool(req.on_token(req, token)) if req.on_token else False
+            except Exception as e:  # a fault in one request's handling ends that request only
+                self._finish(req, "error", f"{type(e).__name__}: {e}")
+                continue
+            if token in req.stop_ids or stop:
+                self._finish(req, "stop")
+            elif len(req.out) >= req.max_new_tokens:
+                self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str, error: Optional[str] = None):
+        if req.finish_reason is not None:
+            return
+        req.finish_reason, req.error = reason, error
+        if req.slot is not None and self.slots[req.slot].request is req:
+            self.slots[req.slot].request = None
+            self.slots[req.slot].last_used = self.steps
+        self.counters["requests_finished"] += 1
+        if req.on_finish:
+            try:
+                req.on_finish(req)
+            except Exception as e:
+                log(f"engine: on_finish failed ({type(e).__name__}: {e})")
+
+
+class QueueFull(UserError):
+    """Every slot is busy and the waiting queue is full: try again later."""

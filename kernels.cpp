@@ -440,15 +440,21 @@ void attend_row(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs
 
 // q (B, H, R, D) float32 with R = group * T query rows per KV head (row g * T + t is query t);
 // k, v (B, H, S, D) float32 or bfloat16, any strides with unit stride along D; mask (B, 1, T, S)
-// float32, additive. Returns (B, H, R, D) float32.
+// float32, additive. With `rows` (B,) int64, k and v are a whole cache (any number of rows) and
+// batch row b reads cache row rows[b]. Returns (B, H, R, D) float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                  double scale, double softcap) {
+                  double scale, double softcap, const c10::optional<at::Tensor>& rows) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "attend: 4-d tensors");
   TORCH_CHECK(q.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat, "attend: q and mask float32");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               "attend: k and v float32 or bfloat16");
   int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k.size(2), T = mask.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes() && D % 8 == 0 &&
+  TORCH_CHECK(!rows.has_value() || (rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == B),
+              "attend: rows (B,) int64");
+  at::Tensor rc = rows.has_value() ? rows->contiguous() : at::Tensor();
+  const int64_t* rp = rows.has_value() ? rc.data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; rp && b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "attend: row out of range");
+  TORCH_CHECK((rows.has_value() || k.size(0) == B) && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes() && D % 8 == 0 &&
               k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == v.stride(2) && mask.size(0) == B &&
               mask.size(3) == S && R % T == 0, "attend: shapes");
   auto qc = q.contiguous();
@@ -457,18 +463,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const float* qp = qc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  auto rows = [&](auto* kp, auto* vp, int64_t r0, int64_t r1) {
+  auto run = [&](auto* kp, auto* vp, int64_t r0, int64_t r1) {
     std::vector<float> p(S);
     for (int64_t i = r0; i < r1; ++i) {
-      int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
-      attend_row(qp + i * D, kp + b * k.stride(0) + h * k.stride(1), k.stride(2), vp + b * v.stride(0) + h * v.stride(1),
+      int64_t b = i / (H * R), h = (i / R) % H, r = i % R, row = rp ? rp[b] : b;
+      attend_row(qp + i * D, kp + row * k.stride(0) + h * k.stride(1), k.stride(2), vp + row * v.stride(0) + h * v.stride(1),
                  v.stride(2), mp + (b * T + r % T) * S, S, D, static_cast<float>(scale), static_cast<float>(softcap),
                  op + i * D, p.data());
     }
   };
   at::parallel_for(0, B * H * R, 1, [&](int64_t r0, int64_t r1) {
-    if (k.scalar_type() == at::kFloat) rows(k.data_ptr<float>(), v.data_ptr<float>(), r0, r1);
-    else rows(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), r0, r1);
+    if (k.scalar_type() == at::kFloat) run(k.data_ptr<float>(), v.data_ptr<float>(), r0, r1);
+    else run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), r0, r1);
   });
   return out;
 }
@@ -479,7 +485,7 @@ TORCH_LIBRARY(minillm, m) {
   m.def("small_linear(Tensor x, Tensor w) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor scales, Tensor zeros, int groupsize) -> Tensor");
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap, Tensor? rows=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(minillm, CPU, m) {
   m.impl("small_linear", &small_linear);

@@ -143,11 +143,13 @@ def q4_linear(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor, groupsize: in
     return torch.ops.minillm.q4_linear(x, w, scales, zeros, groupsize)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float = 0.0) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float = 0.0,
+           rows: Optional[Tensor] = None) -> Tensor:
     """Attention of a few query rows per KV head over the keys their additive mask allows:
     q (B, H, group * T, D) (row g * T + t is query t), k and v (B, H, S, D) float32 or bfloat16,
+    or with rows (B,) a whole cache of which batch row b reads cache row rows[b] (no copy);
     mask (B, 1, T, S). softmax(scale * q k^T, soft-capped when softcap > 0, + mask) v, float32."""
-    return torch.ops.minillm.attend(q.float(), k, v, mask.float(), scale, softcap)
+    return torch.ops.minillm.attend(q.float(), k, v, mask.float(), scale, softcap, rows)
 
 
 # ---------------------------------------------------------------- the layers install() swaps in
@@ -196,16 +198,18 @@ class CpuAttention(Attention):
     compiled decode step spelled out, which inductor fuses into the layer's kernel where CPU
     SDPA would cost a mostly fixed overhead per call."""
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], rows: Optional[Tensor] = None) -> Tensor:
         B, n_heads, T, head_dim = q.shape
         if mask is None or q.device.type != "cpu":
-            return super().attend(q, k, v, mask)
+            return super().attend(q, k, v, mask, rows)
         n_kv_heads, scale = k.shape[1], self.scale or head_dim ** -0.5
         # each KV head's query group folded into the query length, as model.Attention does
         q_groups = q.reshape(B, n_kv_heads, -1, head_dim)  # (B, n_kv_heads, group * T, head_dim)
         if T <= MAX_TOKENS and k.dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and available():
-            y = attend(q_groups, k, v, mask, scale, self.softcap or 0.0).to(q.dtype)
+            y = attend(q_groups, k, v, mask, scale, self.softcap or 0.0, rows).to(q.dtype)
             return y.view(B, n_heads, T, head_dim)
+        if rows is not None:  # the paths below read a batch's own rows
+            k, v = k[rows], v[rows]
         if T == 1 and torch.compiler.is_compiling():
             # scores (B, n_kv_heads, group, S); the mask (B, 1, 1, S) broadcasts over heads and group
             scores = (q_groups.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1) * scale

@@ -9,7 +9,9 @@ The KV cache is preallocated to (max_batch_size, n_kv_heads, max_seq_length, hea
 written in place, so one decode step has static shapes and compiles to a single graph.
 Batches of prompts of different lengths are left-padded: all rows share the cache slots
 (`input_pos`), each row's RoPE positions are shifted by its padding (`pad`), and the mask hides
-each row's padding slots.
+each row's padding slots. A continuously batched step (engine.BatchEngine) instead gives each
+row its own positions, `input_pos` (B, T), and its own cache row, `rows` (B,): requests at
+different points of their generation share one forward pass.
 
 Sliding-window layers keep only the last `sliding_window` positions, in a ring buffer
 (`RingKVCache`), so their memory does not grow with max_seq_length.
@@ -130,12 +132,18 @@ class KVCache(nn.Module):
             return self.k_cache, self.v_cache
         return self.k_cache[:B], self.v_cache[:B]
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
-        # k, v: (B, n_kv_heads, T, head_dim)
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Optional[Tensor] = None):
+        """k, v: (B, n_kv_heads, T, head_dim), written at slots input_pos (T,) of cache rows 0..B-1,
+        or, with rows (B,), at input_pos (B, T) of cache row rows[b]. Returns (keys, values, rows):
+        the cache rows the batch's row b reads are rows[b] (None: row b)."""
+        if rows is not None:  # (B, 1) and (B, T) index (B, T) cells; dims go (B, T, n_kv_heads, head_dim)
+            self.k_cache[rows.view(-1, 1), :, input_pos] = k.transpose(1, 2)
+            self.v_cache[rows.view(-1, 1), :, input_pos] = v.transpose(1, 2)
+            return self.k_cache, self.v_cache, rows
         k_cache, v_cache = self.rows(k.shape[0])
         k_cache.index_copy_(2, input_pos, k)
         v_cache.index_copy_(2, input_pos, v)
-        return k_cache, v_cache
+        return k_cache, v_cache, None
 
 
 class RingKVCache(KVCache):
@@ -148,16 +156,23 @@ class RingKVCache(KVCache):
     Transformer.masks gives each of those window + T keys its absolute position.
     """
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Optional[Tensor] = None):
         T, window = k.shape[2], self.k_cache.shape[2]
+        n = min(T, window)  # older positions of the chunk would be overwritten within it anyway
+        if rows is not None:  # each row its own cache row and positions, as in KVCache.update
+            k_all = torch.cat([self.k_cache[rows], k], dim=2)
+            v_all = torch.cat([self.v_cache[rows], v], dim=2)
+            slots = input_pos[:, -n:] % window  # (B, n)
+            self.k_cache[rows.view(-1, 1), :, slots] = k[:, :, -n:].transpose(1, 2)
+            self.v_cache[rows.view(-1, 1), :, slots] = v[:, :, -n:].transpose(1, 2)
+            return k_all, v_all, None
         k_cache, v_cache = self.rows(k.shape[0])
         k_all = torch.cat([k_cache, k], dim=2)
         v_all = torch.cat([v_cache, v], dim=2)
-        n = min(T, window)  # older positions of the chunk would be overwritten within it anyway
         slots = input_pos[-n:] % window
         k_cache.index_copy_(2, slots, k[:, :, -n:])
         v_cache.index_copy_(2, slots, v[:, :, -n:])
-        return k_all, v_all
+        return k_all, v_all, None
 
 
 class RMSNorm(nn.Module):
@@ -249,10 +264,11 @@ class Attention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor], input_pos: Tensor,
-                last_logits_only: bool = False) -> Tensor:
+                last_logits_only: bool = False, rows: Optional[Tensor] = None) -> Tensor:
         """mask: additive (B, 1, T, S), or None for a whole sequence from slot 0 (causal, S = T).
         last_logits_only: every position's keys and values go to the cache, but only the last
-        position's output is computed (the last layer of a prefill)."""
+        position's output is computed (the last layer of a prefill). rows: each batch row's
+        cache row (Transformer.forward)."""
         B, T, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -261,17 +277,21 @@ class Attention(nn.Module):
         v = v.view(B, T, nkv, hd).transpose(1, 2)
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v)  # (B, n_kv_heads, S, head_dim); a ring cache: S = window + T
+        # (B or cache rows, n_kv_heads, S, head_dim); a ring cache: S = window + T
+        k, v, rows = self.kv_cache.update(input_pos, k, v, rows)
         S = T if mask is None else mask.shape[-1]  # the keys the mask covers: prefill skips the cache's empty tail
         k, v = k[:, :, :S], v[:, :, :S]
         if last_logits_only:
             q, mask, T = q[:, :, -1:], None if mask is None else mask[:, :, -1:], 1
-        y = self.attend(q, k, v, mask)  # (B, n_heads, T, head_dim)
+        y = self.attend(q, k, v, mask, rows)  # (B, n_heads, T, head_dim)
         return self.wo(y.transpose(1, 2).reshape(B, T, nh * hd))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], rows: Optional[Tensor] = None) -> Tensor:
         """softmax(scale * q k^T + mask) v: q (B, n_heads, T, head_dim), k and v
-        (B, n_kv_heads, S, head_dim), mask (B, 1, T, S) or None (causal). Returns q's shape."""
+        (B, n_kv_heads, S, head_dim), or, with rows (B,), the whole cache of which row b reads
+        rows[b]; mask (B, 1, T, S) or None (causal). Returns q's shape."""
+        if rows is not None:
+            k, v = k[rows], v[rows]
         B, nh, T, hd = q.shape
         if mask is None:  # SDPA's own causal mask; the last position alone sees every key
             return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=True)
@@ -312,9 +332,9 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = norm() if args.post_norms else nn.Identity()
         self.post_ffn_norm = norm() if args.post_norms else nn.Identity()
 
-    def forward(self, x, cos, sin, masks, input_pos, last_logits_only: bool = False):
+    def forward(self, x, cos, sin, masks, input_pos, last_logits_only: bool = False, rows=None):
         mask = masks[1] if self.attention.sliding else masks[0]
-        a = self.attention(self.attention_norm(x), cos, sin, mask, input_pos, last_logits_only)
+        a = self.attention(self.attention_norm(x), cos, sin, mask, input_pos, last_logits_only, rows)
         h = (x[:, -1:] if last_logits_only else x) + self.post_attention_norm(a)
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
@@ -378,8 +398,10 @@ class Transformer(nn.Module):
         """Additive (B, 1, T, S) masks, 0 where a query may attend and -inf elsewhere:
         (global, sliding window). Additive masks run faster than boolean ones in CPU SDPA.
         With a ring cache the sliding mask is (B, 1, T, window + T), over RingKVCache.update's keys.
-        sdpa_causal: the global mask is None (Attention then uses SDPA's own causal mask)."""
-        query_pos = input_pos.view(1, -1, 1)  # (1, T, 1) cache slot of each query
+        sdpa_causal: the global mask is None (Attention then uses SDPA's own causal mask).
+        input_pos is (T,), shared by the rows, or (B, T), each row's own (pad is then zero)."""
+        T = input_pos.shape[-1]
+        query_pos = input_pos.view(-1, T, 1)  # (1 or B, T, 1) cache slot of each query
 
         def allowed(key_pos):  # (B, T, S) for keys at absolute positions (1, 1, S): not the future, not padding
             causal = (key_pos <= query_pos) & (key_pos >= pad.view(-1, 1, 1))
@@ -390,9 +412,9 @@ class Transformer(nn.Module):
         window = self.args.sliding_window
         if self.ring_window:
             # before this chunk, ring slot j holds the last position = j (mod window); negative: empty
-            start, w = input_pos[0], self.ring_window
-            ring = start - w + (torch.arange(w, device=input_pos.device) - start) % w  # (window,)
-            key_pos = torch.cat([ring, input_pos]).view(1, 1, -1)  # (1, 1, window + T)
+            start, w = input_pos.view(-1, T)[:, :1], self.ring_window  # (1 or B, 1)
+            ring = start - w + (torch.arange(w, device=input_pos.device) - start) % w  # (1 or B, window)
+            key_pos = torch.cat([ring, input_pos.view(-1, T)], dim=1).unsqueeze(1)  # (1 or B, 1, window + T)
         local = allowed(key_pos) & (query_pos - key_pos < window) if window else causal
 
         def additive(allowed):
@@ -402,16 +424,21 @@ class Transformer(nn.Module):
         return None if sdpa_causal else additive(causal), (additive(local) if window else None)
 
     def forward(self, tokens: Tensor, input_pos: Tensor, pad: Optional[Tensor] = None,
-                last_logits_only: bool = False, kv_len: Optional[int] = None) -> Tensor:
+                last_logits_only: bool = False, kv_len: Optional[int] = None, rows: Optional[Tensor] = None) -> Tensor:
         """tokens: (B, T) ids written at cache slots input_pos (T,); pad: (B,) left-padding per
-        row; kv_len: cache slots in use after this chunk, when the caller knows it (prefill), so
-        attention skips the empty rest of the cache. Returns float logits (B, T, vocab), or
-        (B, 1, vocab) for the last position only."""
+        row; kv_len: cache slots in use after this chunk (the largest, over the rows), when the
+        caller knows it, so attention skips the empty rest of the cache. rows (B,): row b is
+        a request of its own, in cache row rows[b] at positions input_pos[b] (B, T), from 0
+        (continuous batching; no pad). Returns float logits (B, T, vocab), or (B, 1, vocab) for
+        the last position only."""
         assert self.max_seq_length > 0, "call setup_caches() first"
         B, no_pad = tokens.shape[0], pad is None
         if pad is None:
             pad = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        positions = input_pos.view(1, -1) - pad.view(-1, 1)  # (B, T) each row counts from its first token
+        if rows is not None:
+            positions = input_pos  # (B, T) each row's own
+        else:
+            positions = input_pos.view(1, -1) - pad.view(-1, 1)  # (B, T) each row counts from its first token
         cos, sin = self.rope(positions)
         local_rope = self.rope(positions, local=True) if self.args.rope_local_theta else (cos, sin)
         x = self.tok_embeddings(tokens)  # (B, T, dim)
@@ -426,7 +453,8 @@ class Transformer(nn.Module):
             # prefill needs only the next token's logits: past the last layer's keys and values
             # (the cache needs them), compute the last position only, and skip the vocab matmul
             # for the rest
-            x = layer(x, c, s, masks, input_pos, last_logits_only=last_logits_only and i == len(self.layers) - 1)
+            x = layer(x, c, s, masks, input_pos, last_logits_only=last_logits_only and i == len(self.layers) - 1,
+                      rows=rows)
         logits = self.output(self.norm(x))
         if self.args.final_logit_softcapping:
             cap = self.args.final_logit_softcapping

@@ -1,0 +1,677 @@
+"""An OpenAI-compatible HTTP server over engine.BatchEngine: continuous batching, prefix reuse.
+
+    python serve.py --checkpoint checkpoints/smollm2-135m [--port 8000]
+    curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+The official `openai` client works against it (base_url="http://127.0.0.1:8000/v1"):
+/v1/completions and /v1/chat/completions, streamed (server-sent events) or not, /v1/models,
+/health, and /metrics in Prometheus text.
+
+One engine thread owns the model and calls BatchEngine.step() while there is work. The HTTP side
+(Starlette on uvicorn's asyncio loop) checks each request, submits it, and receives its text
+through an asyncio.Queue that the engine thread feeds with loop.call_soon_threadsafe. Under
+torchrun, rank 0 serves HTTP and sends every step's plan to the other ranks, which run the same
+forward passes on their shards; send SIGTERM to rank 0's process for a graceful stop (torchrun
+treats a SIGTERM of its own as a failure and ends every rank at once).
+"""
+import argparse
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import checkpoint
+from engine import (BatchEngine, QueueFull, Request, Sampling, StepPlan, decode_logits, load_model, log,
+                    parse_device, parse_dtype)
+from errors import UserError, run_cli
+from model import param_bytes
+from tokenizer import StreamDecoder, Tokenizer
+from tp import init_from_env
+
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_N = 16
+FIELDS = {  # accepted fields -> value kinds; "neutral" fields accept only the value that changes nothing
+    "model": str, "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
+    "stop": "stop", "n": int, "stream": bool, "stream_options": dict, "ignore_eos": bool, "user": str,
+}
+NEUTRAL = {  # not supported yet: accepted at the value that means "off", a 400 otherwise
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
+    "logit_bias": ({},), "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "echo": (False,),
+    "suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True, False), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
+}
+COMPLETION_FIELDS = {"prompt"}
+CHAT_FIELDS = {"messages", "max_completion_tokens"}
+ROLES = ("system", "user", "assistant")
+
+
+class APIError(Exception):
+    """An error for the client, as OpenAI's API writes it: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------- request checking
+
+def check_value(name: str, value, kind):
+    bad = APIError(400, f"`{name}` must be {'a number' if kind is float else 'an ' + kind.__name__ if kind is int else 'a ' + kind.__name__}", name)
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+    elif not isinstance(value, kind):
+        raise bad
+
+
+def parse_stop(value) -> list:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, "`stop` must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP:
+        raise APIError(400, f"`stop` takes at most {MAX_STOP} strings", "stop")
+    return stops
+
+
+@dataclass
+class Params:
+    """A checked request: its prompt token ids and generation settings."""
+    prompt: list
+    max_tokens: int
+    sampling: Sampling
+    n: int = 1
+    seed: Optional[int] = None
+    stop: list = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+
+
+class Server:
+    def __init__(self, engine: BatchEngine, tokenizer: Tokenizer, model_name: str, api_key: Optional[str] = None):
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
+        self.created = int(time.time())
+        self.stop_ids = frozenset(engine.model.args.eos_token_ids) | frozenset(tokenizer.eos_ids)
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("minillm_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=buckets, registry=self.registry)
+        self.itl = Histogram("minillm_inter_token_latency_seconds", "Time between a request's consecutive tokens",
+                             buckets=buckets, registry=self.registry)
+        self.thread: Optional[threading.Thread] = None
+        self.stopping = threading.Event()
+
+    # ---- the engine thread
+
+    def start(self):
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.Thread(target=self.engine_loop, name="engine", daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.stopping.set()
+        self.engine.wakeup.set()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    def engine_loop(self):
+        engine = self.engine
+        while not self.stopping.is_set():
+            engine.wakeup.clear()
+            if not engine.has_work():
+                if not engine.wakeup.wait(timeout=10) and engine.broadcast is not None:
+                    engine.broadcast(StepPlan())  # idle: keep the other ranks' collective from timing out
+                continue
+            try:
+                engine.step()
+            except Exception:  # a bug in scheduling: end what runs, keep serving
+                log("engine: " + traceback.format_exc())
+                for slot in engine.slots:
+                    if slot.request is not None:
+                        slot.cached = []
+                        engine._finish(slot.request, "error", "internal error in the engine")
+        with engine.lock:  # shutting down: end what is left
+            for req in list(engine.waiting) + [s.request for s in engine.slots if s.request is not None]:
+                engine._finish(req, "cancelled")
+            engine.waiting.clear()
+
+    # ---- checking a request
+
+    def authorize(self, request):
+        if self.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", code="invalid_api_key")
+
+    async def read_body(self, request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    def parse(self, body: dict, chat: bool) -> Params:
+        own = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        for name, value in body.items():
+            if name in own:
+                continue
+            if name in NEUTRAL:
+                if value is not None and value not in NEUTRAL[name]:
+                    raise APIError(400, f"`{name}` is not supported by this server", name, "unsupported_parameter")
+            elif name not in FIELDS:
+                raise APIError(400, f"unknown field `{name}`", name, "unsupported_parameter")
+            elif value is not None and FIELDS[name] != "stop":
+                check_value(name, value, FIELDS[name])
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model `{model}` not found (this server runs `{self.model_name}`)", "model",
+                           "model_not_found")
+        prompt = self.chat_prompt(body) if chat else self.completion_prompt(body)
+        limit = self.engine.max_seq_length
+        if len(prompt) >= limit:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this server's context (--max_seq_length) "
+                                f"is {limit} tokens", "messages" if chat else "prompt", "context_length_exceeded")
+        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = body.get(name)
+        if max_tokens is None:
+            max_tokens = limit - len(prompt) if chat else 16  # OpenAI's defaults: the context left; 16
+        if max_tokens < 1:
+            raise APIError(400, f"`{name}` must be at least 1", name)
+        if len(prompt) + max_tokens > limit:
+            raise APIError(400, f"the prompt ({len(prompt)} tokens) + `{name}` ({max_tokens}) exceeds this server's "
+                                f"context of {limit} tokens", name, "context_length_exceeded")
+        temperature = body.get("temperature")
+        temperature = 1.0 if temperature is None else float(temperature)
+        if not 0 <= temperature <= 2:
+            raise APIError(400, "`temperature` must be in [0, 2]", "temperature")
+        top_p = 1.0 if body.get("top_p") is None else float(body["top_p"])
+        if not 0 < top_p <= 1:
+            raise APIError(400, "`top_p` must be in (0, 1]", "top_p")
+        top_k = body.get("top_k")
+        if top_k is not None and top_k < 1 and top_k not in (0, -1):
+            raise APIError(400, "`top_k` must be at least 1 (0 or -1: off)", "top_k")
+        top_k = None if top_k in (None, 0, -1) else top_k
+        n = 1 if body.get("n") is None else body["n"]
+        if not 1 <= n <= MAX_N:
+            raise APIError(400, f"`n` must be in [1, {MAX_N}]", "n")
+        options = body.get("stream_options") or {}
+        if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
+            raise APIError(400, "`stream_options` takes only `include_usage` (a boolean)", "stream_options")
+        return Params(prompt=prompt, max_tokens=max_tokens, sampling=Sampling(temperature, top_k, top_p), n=n,
+                      seed=body.get("seed"), stop=parse_stop(body["stop"]) if body.get("stop") is not None else [],
+                      stream=bool(body.get("stream")), include_usage=bool(options.get("include_usage")),
+                      ignore_eos=bool(body.get("ignore_eos")))
+
+    def completion_prompt(self, body: dict) -> list:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "`prompt` is empty", "prompt")
+            return self.tokenizer.encode(prompt)  # as generate.py encodes it
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.engine.model.args.vocab_size
+            if not all(0 <= t < vocab for t in prompt):
+                raise APIError(400, f"`prompt` token ids must be in [0, {vocab})", "prompt")
+            return list(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+            raise APIError(400, "one prompt per request (send several requests)", "prompt", "unsupported_parameter")
+        raise APIError(400, "`prompt` must be a non-empty string or a list of token ids", "prompt")
+
+    def chat_prompt(self, body: dict) -> list:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "`messages` must be a non-empty list", "messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise APIError(400, f"messages[{i}] needs a `role` of {', '.join(ROLES)}", "messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise APIError(400, f"messages[{i}] needs a string `content`", "messages")
+            clean.append({"role": m["role"], "content": content})
+        try:
+            text = self.tokenizer.apply_chat_template(clean)
+        except Exception as e:  # the template's own raise_exception (e.g. roles out of order)
+            raise APIError(400, f"the chat template rejects these messages: {e}", "messages") from None
+        return self.tokenizer.encode(text, add_bos=False)  # the template writes any BOS itself
+
+    # ---- running a request
+
+    def submit(self, params: Params) -> tuple[list, asyncio.Queue]:
+        """Submit the request's n choices; their events arrive on the queue."""
+        queue: asyncio.Queue = asyncio.Queue()
+        choices = []
+        for i in range(params.n):
+            choice = Choice(i, params, self, queue)
+            seed = None if params.seed is None else params.seed + i
+            choice.request = Request(list(params.prompt), params.max_tokens, params.sampling, seed=seed,
+                                     stop_ids=frozenset() if params.ignore_eos else self.stop_ids,
+                                     on_token=choice.on_token, on_finish=choice.on_finish)
+            choices.append(choice)
+        submitted = []
+        try:
+            for choice in choices:
+                self.engine.submit(choice.request)
+                submitted.append(choice)
+        except QueueFull as e:
+            for choice in submitted:
+                self.engine.cancel(choice.request)
+            raise APIError(429, f"the server is busy ({e}); try again later", code="rate_limit_exceeded",
+                           kind="rate_limit_error") from None
+        except UserError as e:
+            for choice in submitted:
+                self.engine.cancel(choice.request)
+            raise APIError(400, str(e)) from None
+        return choices, queue
+
+    def post(self, queue: asyncio.Queue, event: tuple):
+        """From the engine thread: hand an event to the request's coroutine."""
+        self.loop.call_soon_threadsafe(queue.put_nowait, event)
+
+
+class Choice:
+    """One of a request's n sequences: its text so far, with stop strings held back until they
+    can no longer match, fed by the engine thread's callbacks."""
+
+    def __init__(self, index: int, params: Params, server: Server, queue: asyncio.Queue):
+        self.index, self.params, self.server, self.queue = index, params, server, queue
+        self.decoder = StreamDecoder(server.tokenizer)
+        self.text, self.sent = "", 0  # decoded text (stop string cut off), and how much of it went out
+        self.request: Optional[Request] = None
+        self.arrival, self.last = time.perf_counter(), None
+        self.stopped = False  # a stop string ended it
+
+    def on_token(self, req: Request, token: int) -> bool:
+        now = time.perf_counter()
+        if self.last is None:
+            self.server.ttft.observe(now - self.arrival)
+        else:
+            self.server.itl.observe(now - self.last)
+        self.last = now
+        if token in req.stop_ids:
+            return False
+        self.text += self.decoder.push(token)
+        stops = self.params.stop
+        if stops:
+            start = max(0, self.sent - max(len(s) for s in stops))
+            hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+                return True
+        self.send(self.text[:len(self.text) - held_back(self.text, stops)])
+        return False
+
+    def on_finish(self, req: Request):
+        if not self.stopped and req.finish_reason in ("stop", "length"):
+            self.text += self.decoder.flush()
+        self.send(self.text)
+        self.server.post(self.queue, ("finish", self.index, req.finish_reason, req.error))
+
+    def send(self, upto: str):
+        if len(upto) > self.sent:
+            self.server.post(self.queue, ("text", self.index, upto[self.sent:]))
+            self.sent = len(upto)
+
+
+def held_back(text: str, stops: list) -> int:
+    """Length of the longest end of `text` that begins a stop string: not sent until it is known
+    whether the stop string follows."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
+
+
+class EngineCollector:
+    """Prometheus figures read from the engine when /metrics is scraped."""
+
+    def __init__(self, engine: BatchEngine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        running, waiting = self.engine.counts()
+        yield GaugeMetricFamily("minillm_requests_running", "Requests in a slot", value=running)
+        yield GaugeMetricFamily("minillm_requests_waiting", "Requests waiting for a slot", value=waiting)
+        c = self.engine.counters
+        for name, key, text in [
+            ("minillm_generation_tokens", "generated_tokens", "Tokens generated"),
+            ("minillm_prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests"),
+            ("minillm_prefill_tokens", "prefilled_tokens", "Prompt tokens prefilled (not found in a slot's cache)"),
+            ("minillm_prompt_tokens_cached", "cached_tokens", "Prompt tokens reused from a slot's cache"),
+            ("minillm_requests_finished", "requests_finished", "Requests finished, for any reason"),
+        ]:
+            yield CounterMetricFamily(name, text, value=c[key])
+
+
+# ---------------------------------------------------------------- responses
+
+def usage(params: Params, choices: list) -> dict:
+    completion = sum(len(c.request.out) for c in choices)
+    prompt = len(params.prompt)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": choices[0].request.cached_tokens}}
+
+
+def build_app(server: Server):
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error_response(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def generate(request, chat: bool):
+        try:
+            server.authorize(request)
+            params = server.parse(await server.read_body(request), chat)
+            choices, queue = server.submit(params)
+        except APIError as e:
+            return error_response(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        obj = "chat.completion" if chat else "text_completion"
+        base = {"id": rid, "created": int(time.time()), "model": server.model_name}
+        if params.stream:
+            return StreamingResponse(stream(choices, queue, params, chat, base), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        texts, reasons = [""] * len(choices), [None] * len(choices)
+        try:
+            while None in reasons:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if event[0] == "text":
+                    texts[event[1]] += event[2]
+                else:
+                    _, i, reason, error = event
+                    if reason == "error":
+                        return error_response(APIError(500, f"generation failed: {error}", kind="server_error"))
+                    if reason == "cancelled":
+                        return error_response(APIError(503, "the server is shutting down", kind="server_error"))
+                    reasons[i] = reason
+        finally:
+            for c in choices:
+                if c.request.finish_reason is None:
+                    server.engine.cancel(c.request)
+        if chat:
+            out = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        else:
+            out = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        return JSONResponse({**base, "object": obj, "choices": out, "usage": usage(params, choices)})
+
+    async def stream(choices, queue, params, chat, base):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        started = [False] * len(choices)
+
+        def chunk(i, text, reason=None):
+            if chat:
+                delta = {"content": text} if text else {}
+                if not started[i]:
+                    delta = {"role": "assistant", **delta}
+                    started[i] = True
+                body = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                body = {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            extra = {"usage": None} if params.include_usage else {}
+            return "data: " + json.dumps({**base, "object": obj, "choices": [body], **extra}) + "\n\n"
+
+        try:
+            left = len(choices)
+            while left:
+                event = await queue.get()
+                if event[0] == "text":
+                    yield chunk(event[1], event[2])
+                    continue
+                _, i, reason, error = event
+                left -= 1
+                if reason == "error":
+                    yield "data: " + json.dumps(APIError(500, f"generation failed: {error}",
+                                                         kind="server_error").body()) + "\n\n"
+                    continue
+                if reason == "cancelled":  # the server is shutting down
+                    yield "data: " + json.dumps(APIError(503, "the server is shutting down",
+                                                         kind="server_error").body()) + "\n\n"
+                    continue
+                yield chunk(i, "", reason)
+            if params.include_usage:
+                yield "data: " + json.dumps({**base, "object": obj, "choices": [], "usage": usage(params, choices)}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or the response ended): free the slots at the next step
+            for c in choices:
+                if c.request.finish_reason is None:
+                    server.engine.cancel(c.request)
+
+    async def completions(request):
+        return await generate(request, chat=False)
+
+    async def chat_completions(request):
+        return await generate(request, chat=True)
+
+    async def models(request):
+        try:
+            server.authorize(request)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "minillm",
+             "root": server.model_name, "max_model_len": server.engine.max_seq_length}]})
+
+    async def health(request):
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return PlainTextResponse(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       kind=kind))
+
+    async def server_error(request, exc: Exception):
+        log("serve: " + "".join(traceback.format_exception(exc)))
+        return error_response(APIError(500, f"internal error ({type(exc).__name__})", kind="server_error"))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.start()
+        yield
+        server.stop()
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+# ---------------------------------------------------------------- start-up
+
+def kv_cache_bytes(args_model, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, world: int = 1) -> int:
+    """Bytes of the KV cache BatchEngine allocates (its rows plus the scratch row), on one rank."""
+    a = args_model
+    window = a.sliding_window if a.sliding_window and a.sliding_window < max_seq_length else None
+    per_row = sum(2 * -(-a.n_kv_heads // world) * a.head_dim * (window if window and t == "sliding_attention"
+                                                                 else max_seq_length)
+                  for t in a.layer_types)
+    return per_row * (max_batch_size + 1) * torch.empty((), dtype=dtype).element_size()
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def preflight(config, args, device, dtype, world: int):
+    """Refuse, before anything is allocated, a cache and weights that do not fit in memory."""
+    need = kv_cache_bytes(config, args.max_batch_size, args.max_seq_length, dtype, world)
+    weights = sum(f.stat().st_size for f in Path(args.checkpoint).glob("*.safetensors")) // world
+    have = available_memory(device)
+    if have is not None and need + weights > have * 0.9:
+        raise UserError(f"the KV cache ({args.max_batch_size} + 1 rows x {args.max_seq_length} tokens = "
+                        f"{need / 2**30:.2f} GiB) and the weights ({weights / 2**30:.2f} GiB) need more than the "
+                        f"{have / 2**30:.2f} GiB available on {device}: lower --max_batch_size or --max_seq_length")
+    return need
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Serve a checkpoint over an OpenAI-compatible HTTP API, "
+                                            "with continuous batching and prefix reuse.")
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max_batch_size", type=int, default=16, help="requests decoded together (cache rows)")
+    p.add_argument("--max_seq_length", type=int, default=4096, help="tokens per request: prompt + output")
+    p.add_argument("--max_waiting", type=int, default=64, help="requests queued for a slot; more get a 429")
+    p.add_argument("--prefill_chunk", type=int, default=256,
+                   help="prompt tokens prefilled per step, between decode steps")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the decode step (default: on; compiles at start-up)")
+    p.add_argument("--compile_mode", choices=["default", "max"], default="default")
+    p.add_argument("--api_key", default=os.environ.get("MINILLM_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $MINILLM_API_KEY, or none)")
+    p.add_argument("--model_name", default=None, help="the model id clients name (default: the checkpoint's name)")
+    p.add_argument("--shutdown_timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish")
+    return p
+
+
+def check_args(args):
+    for name in ("max_batch_size", "max_waiting", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1")
+    if args.max_seq_length < 2:
+        raise UserError("--max_seq_length must be at least 2")
+    if not 0 < args.port < 65536:
+        raise UserError("--port must be in 1..65535")
+
+
+def warm_up(engine: BatchEngine):
+    """Compile the decode step before serving: runs on the scratch row, for two batch sizes and two
+    cache lengths, so the compiled graph is general in both before the first request."""
+    if engine.decode is decode_logits:  # not compiled
+        return
+    start = time.perf_counter()
+    log("compiling the decode step (a minute or more the first time, cached on disk afterwards)...")
+    row, plans = engine.scratch_row, []
+    for rows, pos in [(engine.min_rows, 0), (engine.min_rows + 1, 0), (engine.min_rows + 1, min(200, engine.max_seq_length - 1))]:
+        plans.append(StepPlan(decode=[(row, 0, pos)] * min(rows, engine.max_batch_size + 1)))
+    with torch.inference_mode():
+        for plan in plans:
+            if engine.broadcast is not None:
+                engine.broadcast(plan)
+            engine.run(plan)
+    log(f"compiled in {time.perf_counter() - start:.1f} s")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    tp, args.device = init_from_env(args.device)
+    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
+    checkpoint.require_dir(args.checkpoint)
+    config = checkpoint.read_config(args.checkpoint)
+    preflight(config, args, device, dtype, tp.world_size if tp is not None else 1)
+    tokenizer = Tokenizer(args.checkpoint)
+    start = time.perf_counter()
+    model = (tp.all_ranks_ok(load_model, args.checkpoint, device, dtype, tp=tp) if tp is not None
+             else load_model(args.checkpoint, device, dtype))
+    log(f"loaded {args.checkpoint} ({model.args.architecture}, {param_bytes(model) / 1e6:.0f} MB of weights in "
+        f"{args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
+    engine = BatchEngine(model, args.max_batch_size, args.max_seq_length, compile=args.compile,
+                         compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
+    if tp is not None:
+        import torch.distributed as dist
+
+        def broadcast(plan):
+            dist.broadcast_object_list([plan], src=0, group=tp.group)
+
+        def receive():
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=tp.group)
+            return box[0]
+
+        if tp.rank != 0:
+            if args.compile:
+                warm_up_follower(engine, receive)
+            engine.follow(receive)
+            return
+        engine.broadcast = broadcast
+    if args.compile:
+        warm_up(engine)
+    import uvicorn
+
+    name = args.model_name or Path(args.checkpoint).resolve().name
+    server = Server(engine, tokenizer, name, args.api_key)
+    log(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch_size} slots x "
+        f"{args.max_seq_length} tokens)")
+    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler it
+    # found: a no-op one makes that a normal exit (status 0)
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        server.stop()
+        if engine.broadcast is not None:
+            engine.broadcast(None)  # the other ranks stop following
+    log("serve: stopped")
+
+
+def warm_up_follower(engine: BatchEngine, receive):
+    """The other ranks' side of warm_up: the same compiling steps, as rank 0 sends them."""
+    with torch.inference_mode():
+        for _ in range(3):
+            engine.run(receive())
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,162 @@
+"""engine.BatchEngine: continuous batching gives each request what it gets alone (float32 greedy),
+prefix reuse, per-request seeds and sampling, cancellation and faults that end one request only."""
+import copy
+import random
+
+import pytest
+import torch
+
+import kernels
+from conftest import random_model
+from engine import BatchEngine, Engine, QueueFull, Request, Sampling, sample_rows
+from errors import UserError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def alone(model, prompt, n):
+    """What Engine.generate (generate.py's engine) gives for one prompt, greedy (on a copy: its
+    caches are the model's)."""
+    engine = Engine(copy.deepcopy(model))
+    engine.setup(1, 128)
+    (out,), _ = engine.generate([prompt], n, Sampling())
+    return out
+
+
+def run_all(engine: BatchEngine, arrivals: dict, max_steps=1000):
+    """arrivals: step -> requests submitted before that step. Steps until every request ends."""
+    everyone = [r for rs in arrivals.values() for r in rs]
+    for step in range(max_steps):
+        for r in arrivals.get(step, []):
+            engine.submit(r)
+        engine.step()
+        if step >= max(arrivals) and all(r.finish_reason for r in everyone):
+            return everyone
+    raise AssertionError("requests did not finish")
+
+
+def prompts(n, seed=0, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "sliding"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_each_request_as_alone(arch, compiled):
+    """Requests of different lengths joining at different steps, some while others are mid-way:
+    each one's greedy tokens equal its solo run, eager and compiled (the CPU fast paths)."""
+    over = dict(sliding_window=8, architecture="mistral") if arch == "sliding" else {}
+    model = random_model(**over)
+    ps = prompts(7, seed=1)
+    want = [alone(model, p, 12) for p in ps]
+    fast = kernels.install(copy.deepcopy(model))
+    engine = BatchEngine(fast, max_batch_size=4, max_seq_length=128, compile=compiled, prefill_chunk=16)
+    reqs = [Request(p, 12) for p in ps]
+    run_all(engine, {0: reqs[:2], 3: reqs[2:5], 9: reqs[5:]})  # more requests than slots: some wait
+    assert [r.out for r in reqs] == want
+    assert all(r.finish_reason == "length" for r in reqs)
+
+
+def test_prefix_reuse():
+    """A request that shares a finished request's beginning prefills only the rest, with the
+    same output as a cold run; the least recently used free slot is taken otherwise."""
+    model = random_model()
+    base = prompts(1, seed=2)[0] + list(range(30))
+    engine = BatchEngine(model, max_batch_size=2, max_seq_length=128)
+    first = Request(base, 6)
+    run_all(engine, {0: [first]})
+    assert first.cached_tokens == 0
+    follow = base + first.out + [7, 8, 9]  # a second turn: the conversation so far, then more
+    second = Request(follow, 6)
+    run_all(engine, {0: [second]})
+    assert second.slot == first.slot
+    assert second.cached_tokens == len(base) + len(first.out) - 1  # the last sampled token was never fed
+    assert second.out == alone(model, follow, 6)
+    assert engine.counters["cached_tokens"] == second.cached_tokens
+    same = Request(list(base), 6)  # the whole prompt cached: its last token is fed again
+    run_all(engine, {0: [same]})
+    assert same.cached_tokens == len(base) - 1 and same.out == first.out
+
+
+def test_sampling_per_request():
+    """Seeded requests give the same tokens alone and beside others; greedy rows stay greedy."""
+    model = random_model()
+    p = prompts(3, seed=3)
+    hot = Sampling(temperature=0.8, top_k=50, top_p=0.9)
+
+    def seeded():
+        return Request(p[0], 10, hot, seed=1234)
+
+    engine = BatchEngine(model, max_batch_size=3, max_seq_length=128)
+    a = seeded()
+    run_all(engine, {0: [a]})
+    b, greedy, other = seeded(), Request(p[1], 10), Request(p[2], 10, hot)
+    run_all(engine, {0: [other, greedy], 2: [b]})
+    assert a.out == b.out
+    assert greedy.out == alone(model, p[1], 10)
+    c = Request(p[0], 10, hot, seed=99)
+    run_all(engine, {0: [c]})
+    assert c.out != a.out
+
+
+def test_sample_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    params = [Sampling(), Sampling(1.0, top_k=1), Sampling(1.0, top_p=1e-6), Sampling(0.7)]
+    ids = sample_rows(logits, params, [None] * 4)
+    assert ids[:3].tolist() == logits[:3].argmax(-1).tolist()
+    # the frequencies of a sampled row follow its distribution (top-k 3 at temperature 1)
+    draws = torch.stack([sample_rows(logits[:1], [Sampling(1.0, top_k=3)], [None]) for _ in range(3000)]).view(-1)
+    top3 = logits[0].topk(3)
+    want = torch.softmax(top3.values, -1)
+    got = torch.stack([(draws == i).float().mean() for i in top3.indices])
+    assert set(draws.tolist()) <= set(top3.indices.tolist())
+    assert torch.allclose(got, want, atol=0.04)
+
+
+def test_stop_cancel_and_faults():
+    model = random_model()
+    p = prompts(4, seed=4)
+    engine = BatchEngine(model, max_batch_size=2, max_seq_length=80, max_waiting=2)
+    want = alone(model, p[0], 8)
+    stopper = Request(p[0], 8, stop_ids=frozenset([want[3]]))
+    broken = Request(p[1], 8, on_token=lambda r, t: 1 / 0 if len(r.out) == 2 else False)
+    run_all(engine, {0: [stopper, broken]})
+    assert stopper.out == want[:want.index(want[3]) + 1] and stopper.finish_reason == "stop"
+    assert broken.finish_reason == "error" and "ZeroDivisionError" in broken.error and len(broken.out) == 2
+    # a cancelled request frees its slot at the next step; one waiting is admitted at once
+    long1, long2, queued = Request(p[2], 20), Request(p[3], 20), Request(p[0], 4)
+    for r in (long1, long2):
+        engine.submit(r)
+    engine.step()
+    engine.submit(queued)
+    engine.step()
+    assert queued.slot is None
+    engine.cancel(long1)
+    engine.step()
+    assert long1.finish_reason == "cancelled" and queued.slot == long1.slot
+    # the queue is bounded; requests that can never fit are refused
+    engine.submit(Request(p[0], 4))
+    engine.submit(Request(p[0], 4))
+    with pytest.raises(QueueFull):
+        engine.submit(Request(p[0], 4))
+    with pytest.raises(UserError, match="exceeds the KV cache"):
+        engine.submit(Request(p[0], 80))
+    with pytest.raises(UserError, match="empty"):
+        engine.submit(Request([], 4))
+
+
+def test_forward_fault_ends_its_requests():
+    """An exception in a step's forward pass ends the requests in it; the engine goes on."""
+    model = random_model()
+    engine = BatchEngine(model, max_batch_size=2, max_seq_length=64)
+    a = Request(prompts(1)[0], 6)
+    engine.submit(a)
+    real = engine.run
+    engine.run = lambda plan: (_ for _ in ()).throw(RuntimeError("boom"))
+    engine.step()
+    assert a.finish_reason == "error" and "boom" in a.error
+    engine.run = real
+    b = Request(prompts(1)[0], 6)
+    run_all(engine, {0: [b]})
+    assert b.out == alone(model, b.prompt, 6)

@@ -1,0 +1,304 @@
+"""serve.py: a real server process on 127.0.0.1, driven by the official `openai` client: the same
+text as generate.py, continuous batching that changes no request's text, prefix reuse, stop
+strings, n, usage, /v1/models, /metrics, every bad input's error, disconnects, and SIGTERM."""
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import ROOT, run_script
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+           "List three colors:", "Once upon a time, in a small village,", "2 + 2 ="]
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint, *extra, env=None, launcher=()):
+    port = free_port()
+    cmd = [*launcher] if launcher else [sys.executable]
+    cmd += ["serve.py", "--checkpoint", str(checkpoint), "--port", str(port), "--api_key", API_KEY, *map(str, extra)]
+    log = open(ROOT / f".pytest_cache/serve-{port}.log", "w") if (ROOT / ".pytest_cache").exists() else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode} (log in .pytest_cache/serve-{port}.log)")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("the server did not start")
+
+
+def stop_server(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 16, "--max_seq_length", 1024, "--max_waiting", 8,
+                             "--dtype", "float32", "--device", "cpu")
+    yield url
+    assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    """generate.py's greedy text for PROMPTS[:2], plain and with --chat: 24 new tokens."""
+    out = {}
+    for chat in (False, True):
+        for p in PROMPTS[:2]:
+            r = run_script("generate.py", "--checkpoint", smollm2_dir, "--prompt", p, "--max_new_tokens", 24,
+                           "--dtype", "float32", "--device", "cpu", *(["--chat"] if chat else []))
+            assert r.returncode == 0, r.stderr
+            out[chat, p] = r.stdout[:-1]  # the trailing newline generate.py prints
+    return out
+
+
+def metrics(url) -> dict:
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    return {m[0]: float(m[1]) for m in re.findall(r"^(minillm_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+def test_same_text_as_generate(client, reference):
+    for p in PROMPTS[:2]:
+        r = client.completions.create(model="smollm2-135m", prompt=p, max_tokens=24, temperature=0)
+        assert r.choices[0].text == reference[False, p]
+        assert r.usage.completion_tokens <= 24 and r.choices[0].finish_reason in ("stop", "length")
+        pieces = list(client.completions.create(model="smollm2-135m", prompt=p, max_tokens=24, temperature=0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in pieces) == reference[False, p]
+        assert pieces[0].choices[0].text  # the first chunk carries the first token
+        chat = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": p}],
+                                              max_tokens=24, temperature=0)
+        assert chat.choices[0].message.content == reference[True, p]
+        chunks = list(client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": p}], max_completion_tokens=24,
+            temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference[True, p]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+        assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_concurrent_requests_as_alone(client, server):
+    """16 requests of different lengths at once and while others run: each greedy text equals its
+    solo run; seeded sampled requests are reproducible."""
+    jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 8 + 5 * i) for i in range(16)]
+
+    def one(job, seed=None):
+        prompt, n = job
+        kw = dict(temperature=0.9, top_p=0.95, seed=seed) if seed is not None else dict(temperature=0)
+        return client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=n, **kw).choices[0].text
+
+    solo = [one(j) for j in jobs[:6]] + [None] * 10
+    sampled_solo = one(jobs[1], seed=7)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = []
+        for i, job in enumerate(jobs):
+            futures.append(pool.submit(one, job))
+            if i % 4 == 3:
+                time.sleep(0.3)  # later ones join while earlier ones are mid-generation
+        sampled = pool.submit(one, jobs[1], 7)
+        together = [f.result() for f in futures]
+        assert sampled.result() == sampled_solo
+    for i in range(6, 16):
+        solo[i] = one(jobs[i])
+    assert together == solo
+    assert metrics(server)["minillm_requests_waiting"] == 0
+
+
+def test_prefix_reuse_and_multi_turn(client):
+    messages = [{"role": "system", "content": "You are a terse assistant. " * 20},
+                {"role": "user", "content": "Name a fruit."}]
+    first = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
+    again = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=12, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    turn = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                       {"role": "user", "content": "And a vegetable?"}]
+    second = client.chat.completions.create(model="smollm2-135m", messages=turn, max_tokens=12, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens  # only the new turn is prefilled
+    assert second.usage.prompt_tokens - cached < 30
+
+
+def test_stop_n_usage_models_metrics(client, server, reference):
+    before = metrics(server)
+    text = reference[False, PROMPTS[0]]
+    word = text.split()[1]  # a stop string in the middle of the greedy text
+    r = client.completions.create(model="smollm2-135m", prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                  stop=[word, "zzzz"])
+    assert r.choices[0].text == text[:text.index(word)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2-135m", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=word, stream=True))
+    assert streamed == r.choices[0].text  # held back: no piece of the stop string leaks
+    r = client.completions.create(model="smollm2-135m", prompt=PROMPTS[2], max_tokens=5, n=3, temperature=1, seed=1)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 15
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 15
+    r = client.completions.create(model="smollm2-135m", prompt=PROMPTS[3], max_tokens=40, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m"]
+    after = metrics(server)
+    assert after["minillm_generation_tokens_total"] >= before["minillm_generation_tokens_total"] + 55
+    assert after["minillm_time_to_first_token_seconds_count"] > before["minillm_time_to_first_token_seconds_count"]
+    assert after["minillm_requests_running"] == 0
+
+
+def post(url, path, body, key=API_KEY, raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json",
+                                                                 **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", None, 400, None),  # malformed JSON
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "Hi " * 1100}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": 5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/nowhere", {}, 404, None),
+])
+def test_bad_input(server, path, body, status, param):
+    code, reply = post(server, path, body, raw=b"{not json" if body is None else None)
+    assert code == status, reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["message"]
+    assert reply["error"]["param"] == param
+    ok, good = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})  # served right after
+    assert ok == 200 and good["choices"][0]["text"] is not None
+
+
+def test_api_key(server):
+    for key in (None, "wrong"):
+        code, reply = post(server, "/v1/completions", {"prompt": "Hi"}, key=key)
+        assert code == 401 and reply["error"]["code"] == "invalid_api_key"
+
+
+def test_too_many_requests(client, server):
+    """16 slots busy and 8 waiting: the next request gets a 429, and nothing is lost."""
+    def long(_):
+        try:
+            return client.completions.create(model="smollm2-135m", prompt="Count:", max_tokens=100,
+                                             temperature=0, extra_body={"ignore_eos": True}).usage.completion_tokens
+        except openai.RateLimitError:
+            return 429
+
+    with concurrent.futures.ThreadPoolExecutor(30) as pool:
+        results = list(pool.map(long, range(30)))
+    assert results.count(429) >= 1 and results.count(100) == 30 - results.count(429) >= 24
+
+
+def test_disconnect_frees_the_slot(server):
+    import http.client
+    host, port = server.rsplit(":", 1)
+    conns = []
+    for _ in range(16):  # every slot, streaming
+        c = http.client.HTTPConnection("127.0.0.1", int(port), timeout=60)
+        c.request("POST", "/v1/completions", json.dumps({"prompt": "Count:", "max_tokens": 900, "stream": True,
+                                                         "ignore_eos": True}),
+                  {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        resp = c.getresponse()
+        resp.readline()  # the first event: generating
+        conns.append((c, resp))
+    assert metrics(server)["minillm_requests_running"] == 16
+    for c, resp in conns:
+        c.sock.shutdown(socket.SHUT_RDWR)
+        c.close()
+    start = time.time()
+    code, reply = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert code == 200 and time.time() - start < 30  # admitted at once, not after 900 tokens
+    deadline = time.time() + 30
+    while metrics(server)["minillm_requests_running"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert metrics(server)["minillm_requests_running"] == 0
+
+
+def test_sigterm_finishes_running_requests(smollm2_dir):
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 2, "--max_seq_length", 256, "--no-compile")
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(lambda: client.completions.create(model="smollm2-135m", prompt="Count:", max_tokens=60,
+                                                                extra_body={"ignore_eos": True}))
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        assert running.result().usage.completion_tokens == 60
+    assert proc.wait(timeout=60) == 0
+
+
+def test_serve_cli_errors(tmp_path, smollm2_dir):
+    r = run_script("serve.py", "--checkpoint", tmp_path / "missing")
+    assert r.returncode != 0 and r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
+    r = run_script("serve.py", "--checkpoint", smollm2_dir, "--max_batch_size", 100000, "--max_seq_length", 100000)
+    assert r.returncode != 0 and "lower --max_batch_size or --max_seq_length" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("MINILLM_TP_TESTS", "1") == "1", reason="TP tests switched off")
+def test_tensor_parallel_same_text(smollm2_dir, client):
+    """torchrun with 2 ranks on gloo serves the same greedy texts."""
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 256, "--no-compile",
+                             launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc_per_node=2"])
+    try:
+        tp_client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        for p in PROMPTS[:3]:
+            want = client.completions.create(model="smollm2-135m", prompt=p, max_tokens=16, temperature=0)
+            got = tp_client.completions.create(model="smollm2-135m", prompt=p, max_tokens=16, temperature=0)
+            assert got.choices[0].text == want.choices[0].text
+    finally:  # torchrun treats a SIGTERM of its own as a failure: stop rank 0, the others follow it
+        rank0 = rank0_pid(proc.pid)
+        os.kill(rank0, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
+def rank0_pid(launcher_pid: int) -> int:
+    """The torchrun worker with RANK=0 among the launcher's children (Linux /proc)."""
+    for pid in map(int, open(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read().split()):
+        if "RANK=0" in open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0"):
+            return pid
+    raise AssertionError("no rank 0 worker found")
