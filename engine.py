@@ -413,8 +413,10 @@ class Slot:
 @dataclass
 class StepPlan:
     """What one step computes, as plain lists (a tensor-parallel rank 0 sends it to the others):
-    one token for each decoding row, and prefill chunks (cache row, token ids, first position)."""
+    one token for each decoding row; prompt chunks that ride in the same forward pass, one row per
+    token (fused); and prompt chunks prefilled on their own (prefill)."""
     decode: list = field(default_factory=list)  # (cache row, token id, position)
+    fused: list = field(default_factory=list)  # (cache row, [token ids], start position)
     prefill: list = field(default_factory=list)  # (cache row, [token ids], start position)
 
 
@@ -463,25 +465,29 @@ class BatchEngine:
     """Continuous batching over a static per-row KV cache (a server's engine).
 
     Each request gets a cache row (a slot) of its own. Every step decodes one token for every
-    request past its prompt, all in one forward pass where each row has its own positions, and
-    then prefills prompt chunks (up to `prefill_chunk` tokens in all) of requests that wait, so
-    that running streams keep flowing while long prompts arrive. Requests join and leave between
-    steps. A finished request's slot keeps its keys and values: a new request takes the free slot
-    that shares the longest beginning with its prompt and prefills only the rest.
+    request past its prompt, all in one forward pass where each row has its own positions and
+    cache row. Prompts are prefilled in the same pass, one row per token, up to `fused_rows` rows
+    in all, so that running streams keep flowing while a long prompt arrives; with no stream
+    running (or no room), in chunks of `prefill_chunk` tokens of their own. Requests join and
+    leave between steps. A finished request's slot keeps its keys and values: a new request takes
+    the free slot that shares the longest beginning with its prompt and prefills only the rest.
 
-    A request's output does not depend on what runs beside it: each row of a step is computed by
-    the same kernels whatever the others are (on CPU a step has at least two rows, a lone request
-    padded with one that writes to a scratch cache row), a prompt is prefilled in chunks at the
-    same boundaries whatever else is prefilled, and seeded requests draw from their own generator.
+    A request's output does not depend on what runs beside it: every decode row goes through the
+    same kernels whatever the others are (on CPU a step has at least two rows, a lone request
+    padded with one that writes to a scratch cache row; at most `fused_rows`, so one kernel serves
+    every step), and seeded requests draw from their own generator. How its prompt was split into
+    chunks can change the last bits of its keys and values (as a prefix hit does), which the tests
+    check does not change greedy text in float32.
 
     submit() and cancel() may be called from any thread; step() from one thread only.
     """
 
     def __init__(self, model: Transformer, max_batch_size: int, max_seq_length: int, compile: bool = False,
-                 compile_mode: str = "default", prefill_chunk: int = 256, max_waiting: int = 64):
+                 compile_mode: str = "default", prefill_chunk: int = 256, max_waiting: int = 64,
+                 prefix_reuse: bool = True, fused_rows: Optional[int] = None):
         self.model, self.device = model, model.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
-        self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
+        self.prefill_chunk, self.max_waiting, self.prefix_reuse = prefill_chunk, max_waiting, prefix_reuse
         model.setup_caches(max_batch_size + 1, max_seq_length)  # the last row: padding rows write there
         self.scratch_row = max_batch_size
         self.slots = [Slot() for _ in range(max_batch_size)]
@@ -497,6 +503,14 @@ class BatchEngine:
             self.decode = torch.compile(decode_logits, fullgraph=True, **compile_options(self.device, compile_mode))
             # a lone row would take the one-token kernels, other bits than beside others
             self.min_rows = min(2, max_batch_size + 1) if self.device.type == "cpu" else 1
+        # Rows of one compiled step: while requests decode, prompt tokens fill the step up to this
+        # many rows (each a row of its own, at its position), so a long prompt costs the running
+        # streams a slightly larger step rather than a whole prefill; 0: prompts prefill apart.
+        if fused_rows is None:
+            fused_rows = kernels.MAX_TOKENS if compile and self.device.type == "cpu" and kernels.available() else 0
+        if model.ring_window:  # a ring cache reads a row's window before the step writes it: a prompt
+            fused_rows = 0     # token would miss the keys of the tokens beside it in the same step
+        self.fused_rows = min(fused_rows, max_batch_size + 1) if fused_rows else 0
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
 
     # ---- from any thread
@@ -534,7 +548,7 @@ class BatchEngine:
         self.steps += 1
         self._admit()
         plan = self._plan()
-        if not plan.decode and not plan.prefill:
+        if not plan.decode and not plan.fused and not plan.prefill:
             return False
         if self.broadcast is not None:
             self.broadcast(plan)
@@ -542,7 +556,7 @@ class BatchEngine:
             decoded, prefilled = self.run(plan)
         except Exception as e:  # a fault in the forward pass ends the requests in it, not the engine
             log(f"engine: step failed ({type(e).__name__}: {e})")
-            for row in {r for r, *_ in plan.decode + plan.prefill if r != self.scratch_row}:
+            for row in {r for r, *_ in plan.decode + plan.fused + plan.prefill if r != self.scratch_row}:
                 self.slots[row].cached = []  # the row's keys and values may be half written
                 self._finish(self.slots[row].request, "error", f"{type(e).__name__}: {e}")
             return True
@@ -551,15 +565,20 @@ class BatchEngine:
 
     def run(self, plan: StepPlan) -> tuple[Optional[Tensor], list]:
         """The model's part of a step (every tensor-parallel rank runs it): the decode rows'
-        logits (B, V) and each prefill chunk's last logits (V,)."""
+        logits (B, V), first the decoding rows', and each fused and prefill chunk's last logits (V,)."""
         device, decoded = self.device, None
-        if plan.decode:
-            rows = list(plan.decode) + [(self.scratch_row, 0, 0)] * (self.min_rows - len(plan.decode))
+        prefilled = []
+        if plan.decode or plan.fused:
+            rows = list(plan.decode)
+            for row, ids, start in plan.fused:
+                rows += [(row, t, start + j) for j, t in enumerate(ids)]
+                prefilled.append(len(rows) - 1)  # the chunk's last token: its logits, when the prompt ends there
+            rows += [(self.scratch_row, 0, 0)] * (self.min_rows - len(rows))
             kv_len = bucket(max(pos for _, _, pos in rows) + 1, self.max_seq_length)
             decoded = self.decode(self.model, torch.tensor([[t] for _, t, _ in rows], device=device),
                                   torch.tensor([[p] for _, _, p in rows], device=device),
                                   torch.tensor([r for r, _, _ in rows], device=device), kv_len)
-        prefilled = []
+            prefilled = [decoded[i] for i in prefilled]
         for row, ids, start in plan.prefill:
             T = len(ids)
             logits = self.model(torch.tensor([ids], device=device), torch.arange(start, start + T, device=device)[None],
@@ -585,8 +604,8 @@ class BatchEngine:
             while free and self.waiting:
                 req = self.waiting.popleft()
                 # the free slot whose cache shares the longest beginning with the prompt; else the least recently used
-                keep, i = max((reusable_prefix(self.slots[i].cached, req.prompt, self.model.ring_window),
-                               -self.slots[i].last_used, i) for i in free)[0::2]
+                keep, i = max((reusable_prefix(self.slots[i].cached, req.prompt, self.model.ring_window)
+                               if self.prefix_reuse else 0, -self.slots[i].last_used, i) for i in free)[0::2]
                 free.remove(i)
                 slot = self.slots[i]
                 slot.request, slot.cached = req, slot.cached[:keep]
@@ -606,7 +625,15 @@ class BatchEngine:
             else:
                 prefilling.append(req)
         budget = self.prefill_chunk
+        room = self.fused_rows - len(plan.decode) if plan.decode else 0
         for req in sorted(prefilling, key=lambda r: self.slots[r.slot].last_used):  # first come, first served
+            if room > 0:  # ride in the decode step
+                n = min(room, len(req.prompt) - req.fed)
+                plan.fused.append((req.slot, req.prompt[req.fed:req.fed + n], req.fed))
+                room -= n
+                continue
+            if plan.fused:
+                break
             # chunks at fixed offsets from where the request starts, whatever else runs
             n = min(self.prefill_chunk, len(req.prompt) - req.fed)
             if n > budget and plan.prefill:
@@ -621,7 +648,7 @@ class BatchEngine:
             for b, (row, token, _) in enumerate(plan.decode):
                 self.slots[row].cached.append(token)
                 ready.append((self.slots[row].request, decoded[b]))
-        for (row, ids, _), logits in zip(plan.prefill, prefilled):
+        for (row, ids, _), logits in zip(plan.fused + plan.prefill, prefilled):
             req = self.slots[row].request
             self.slots[row].cached.extend(ids)
             req.fed += len(ids)

@@ -7,9 +7,10 @@ The official `openai` client works against it (base_url="http://127.0.0.1:8000/v
 /v1/completions and /v1/chat/completions, streamed (server-sent events) or not, /v1/models,
 /health, and /metrics in Prometheus text.
 
-One engine thread owns the model and calls BatchEngine.step() while there is work. The HTTP side
-(Starlette on uvicorn's asyncio loop) checks each request, submits it, and receives its text
-through an asyncio.Queue that the engine thread feeds with loop.call_soon_threadsafe. Under
+The main thread owns the model and calls BatchEngine.step() while there is work. The HTTP side
+(Starlette on uvicorn's asyncio loop, in a thread of its own) checks each request, submits it,
+and receives its text through an asyncio.Queue that the engine feeds with
+loop.call_soon_threadsafe. Under
 torchrun, rank 0 serves HTTP and sends every step's plan to the other ranks, which run the same
 forward passes on their shards; send SIGTERM to rank 0's process for a graceful stop (torchrun
 treats a SIGTERM of its own as a failure and ends every rank at once).
@@ -25,7 +26,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -118,28 +119,21 @@ class Server:
                               buckets=buckets, registry=self.registry)
         self.itl = Histogram("minillm_inter_token_latency_seconds", "Time between a request's consecutive tokens",
                              buckets=buckets, registry=self.registry)
-        self.thread: Optional[threading.Thread] = None
-        self.stopping = threading.Event()
 
-    # ---- the engine thread
+    # ---- the engine loop (on the main thread: PyTorch's OpenMP compute runs about 1.5x slower
+    # when started from another thread on this CPU; the HTTP server runs on its own thread)
 
-    def start(self):
-        self.loop = asyncio.get_running_loop()
-        self.thread = threading.Thread(target=self.engine_loop, name="engine", daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.stopping.set()
-        self.engine.wakeup.set()
-        if self.thread is not None:
-            self.thread.join(timeout=30)
-
-    def engine_loop(self):
+    def engine_loop(self, serving: Callable[[], bool]):
+        """Step the engine while `serving()` says so; then end what is left."""
         engine = self.engine
-        while not self.stopping.is_set():
+        idle = 0.0
+        while serving():
             engine.wakeup.clear()
             if not engine.has_work():
-                if not engine.wakeup.wait(timeout=10) and engine.broadcast is not None:
+                if engine.wakeup.wait(timeout=0.5):
+                    idle = 0.0
+                elif engine.broadcast is not None and (idle := idle + 0.5) >= 10:
+                    idle = 0.0
                     engine.broadcast(StepPlan())  # idle: keep the other ranks' collective from timing out
                 continue
             try:
@@ -294,13 +288,13 @@ class Server:
         return choices, queue
 
     def post(self, queue: asyncio.Queue, event: tuple):
-        """From the engine thread: hand an event to the request's coroutine."""
+        """From the engine loop: hand an event to the request's coroutine."""
         self.loop.call_soon_threadsafe(queue.put_nowait, event)
 
 
 class Choice:
     """One of a request's n sequences: its text so far, with stop strings held back until they
-    can no longer match, fed by the engine thread's callbacks."""
+    can no longer match, fed by the engine loop's callbacks."""
 
     def __init__(self, index: int, params: Params, server: Server, queue: asyncio.Queue):
         self.index, self.params, self.server, self.queue = index, params, server, queue
@@ -509,9 +503,8 @@ def build_app(server: Server):
 
     @asynccontextmanager
     async def lifespan(app):
-        server.start()
+        server.loop = asyncio.get_running_loop()  # where the engine loop posts each request's events
         yield
-        server.stop()
 
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -570,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_waiting", type=int, default=64, help="requests queued for a slot; more get a 429")
     p.add_argument("--prefill_chunk", type=int, default=256,
                    help="prompt tokens prefilled per step, between decode steps")
+    p.add_argument("--prefix_reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request takes the free slot whose cache shares the longest beginning with its prompt "
+                        "and prefills only the rest (default: on)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -626,7 +622,8 @@ def main(argv=None):
     log(f"loaded {args.checkpoint} ({model.args.architecture}, {param_bytes(model) / 1e6:.0f} MB of weights in "
         f"{args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
     engine = BatchEngine(model, args.max_batch_size, args.max_seq_length, compile=args.compile,
-                         compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
+                         compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
+                         prefix_reuse=args.prefix_reuse)
     if tp is not None:
         import torch.distributed as dist
 
@@ -654,13 +651,20 @@ def main(argv=None):
         f"{args.max_seq_length} tokens)")
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler it
-    # found: a no-op one makes that a normal exit (status 0)
-    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    http = uvicorn.Server(config)
+    http_thread = threading.Thread(target=http.run, name="http")
+    http_thread.start()
+
+    def on_signal(sig, frame):  # stop accepting; running requests finish (for --shutdown_timeout at most)
+        http.should_exit = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
-        uvicorn.Server(config).run()
+        server.engine_loop(http_thread.is_alive)
     finally:
-        server.stop()
+        http.should_exit = True
+        http_thread.join(timeout=args.shutdown_timeout + 5)
         if engine.broadcast is not None:
             engine.broadcast(None)  # the other ranks stop following
     log("serve: stopped")

@@ -1,0 +1,330 @@
+"""Load generator for OpenAI-compatible servers, in the style of `vllm bench serve`: streamed
+/v1/completions requests of random token-id prompts, `ignore_eos`, at a fixed concurrency (or
+Poisson arrivals); output tokens/s, requests/s, and TTFT, time per output token (TPOT) and
+inter-token latency (ITL), median and p99.
+
+    python -m scripts.bench_serve --engines ours,llama-server --concurrency 1,4,8,16
+    python -m scripts.bench_serve --workload long-prompt     # a 2,000-token prompt joins 8 streams
+    python -m scripts.bench_serve --workload shared-prefix   # ours with prefix reuse on and off
+
+Each engine is started here on the same weights (ours: serve.py on checkpoints/MODEL; llama-server:
+the F32 or Q8_0 GGUF of the same weights, built by scripts/build_llama_server.sh), or --url points
+at a running server. Every request gets the same prompt ids on every engine.
+"""
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import download
+from scripts.bench_peers import THREADS, gguf_variant
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
+
+
+def log(*args):
+    print("[bench_serve]", *args, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("the server did not start")
+
+
+def start_ours(args, slots: int, ctx: int, logfile, extra=()) -> tuple:
+    port = free_port()
+    checkpoint = args.checkpoint
+    if args.precision == "int8":
+        checkpoint = Path(f"{checkpoint}-int8")
+        if not (checkpoint / "config.json").exists():
+            subprocess.run([sys.executable, "quantize.py", "--checkpoint", str(args.checkpoint), "--mode", "int8",
+                            "--output", str(checkpoint)], cwd=ROOT, check=True)
+    cmd = [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
+           "--max_batch_size", str(slots), "--max_seq_length", str(ctx), "--dtype", "float32",
+           "--model_name", "bench", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url
+
+
+def start_llama(args, slots: int, ctx: int, logfile) -> tuple:
+    binary = Path(args.llama_server or CACHE / "llama.cpp" / "build" / "bin" / "llama-server")
+    if not binary.exists():
+        raise RuntimeError(f"{binary} not found: run scripts/build_llama_server.sh")
+    f32 = gguf_variant(download.fetch_gguf(args.model), "F32", CACHE / "bench")
+    gguf = f32
+    if args.precision == "int8":
+        gguf = f32.with_name(f32.name.replace(".F32.", ".Q8_0."))
+        if not gguf.exists():
+            subprocess.run([str(binary.with_name("llama-quantize")), str(f32), str(gguf) + ".tmp", "Q8_0"],
+                           check=True, capture_output=True)
+            os.rename(str(gguf) + ".tmp", gguf)
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-np", str(slots), "-c", str(slots * ctx),
+           "-t", str(THREADS), "-tb", str(THREADS), "--no-warmup", "-a", "bench"]
+    proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def one_request(url: str, prompt: list, max_tokens: int, result: dict):
+    """A streamed completion; records when it was sent, each chunk's arrival and the token count."""
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    result["start"] = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                               "Authorization": "Bearer bench"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        result["error"] = f"HTTP {resp.status}: {resp.read()[:200]!r}"
+        return
+    times, tokens = [], None
+    for line in resp:
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        if line == b"data: [DONE]":
+            break
+        event = json.loads(line[6:])
+        if event.get("choices") and event["choices"][0].get("text"):
+            times.append(time.perf_counter())
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    conn.close()
+    result.update(times=times, tokens=tokens if tokens is not None else len(times), end=time.perf_counter())
+
+
+def run_load(url: str, prompts: list, max_tokens: int, concurrency: int, rate: float = 0.0,
+             delays: list = None) -> list:
+    """Send every prompt, at most `concurrency` at a time (and, rate > 0, Poisson arrivals at that
+    many per second, or at the given delays); returns one result dict per request."""
+    results = [dict() for _ in prompts]
+    gate = threading.Semaphore(concurrency)
+    rng = random.Random(0)
+
+    def worker(i):
+        try:
+            one_request(url, prompts[i], max_tokens if isinstance(max_tokens, int) else max_tokens[i], results[i])
+        except Exception as e:  # noqa: BLE001: reported in the results
+            results[i]["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            gate.release()
+
+    threads, t0 = [], time.perf_counter()
+    for i in range(len(prompts)):
+        if delays is not None:
+            time.sleep(max(0.0, t0 + delays[i] - time.perf_counter()))
+        elif rate > 0:
+            time.sleep(rng.expovariate(rate))
+        gate.acquire()
+        t = threading.Thread(target=worker, args=(i,))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    return results
+
+
+def pct(xs: list, q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def summarize(results: list) -> dict:
+    ok = [r for r in results if "error" not in r and r.get("times")]
+    if len(ok) < len(results):
+        errors = [r.get("error", "no tokens") for r in results if r not in ok]
+        raise RuntimeError(f"{len(results) - len(ok)} requests failed: {errors[0]}")
+    start, end = min(r["start"] for r in ok), max(r["end"] for r in ok)
+    ttft = [r["times"][0] - r["start"] for r in ok]
+    tpot = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"requests": len(ok), "duration_s": end - start, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / (end - start), "requests_per_s": len(ok) / (end - start),
+            "ttft_median_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "tpot_median_ms": 1e3 * statistics.median(tpot) if tpot else float("nan"),
+            "itl_median_ms": 1e3 * statistics.median(itl) if itl else float("nan"),
+            "itl_p99_ms": 1e3 * pct(itl, 99)}
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab - 1000) for _ in range(length)] for _ in range(n)]
+
+
+def print_row(label: str, s: dict):
+    print(f"{label:<34} {s['output_tokens_per_s']:8.1f} {s['requests_per_s']:6.2f} {s['ttft_median_ms']:8.0f} "
+          f"{s['ttft_p99_ms']:8.0f} {s['tpot_median_ms']:7.1f} {s['itl_median_ms']:7.1f} {s['itl_p99_ms']:7.1f}",
+          flush=True)
+
+
+HEADER = (f"{'engine / setting':<34} {'out t/s':>8} {'req/s':>6} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT':>7} "
+          f"{'ITL p50':>7} {'ITL p99':>7}   (ms)")
+
+
+def workload_throughput(args, starters: dict) -> list:
+    """Random prompts at each concurrency, every engine; the engines alternate within each level."""
+    rows = []
+    levels = [int(c) for c in args.concurrency.split(",")]
+    servers = {name: start(args, max(levels), args.input_len + args.output_len + 8) for name, start in starters.items()}
+    try:
+        print(HEADER)
+        for c in levels:
+            n = max(args.min_prompts, args.prompts_per_slot * c)
+            prompts = random_prompts(n, args.input_len, args.vocab, seed=c)
+            for name, (_, url) in servers.items():
+                run_load(url, prompts[:min(c, 2)], 4, c)  # warm-up: first-use costs out of the figures
+                s = summarize(run_load(url, prompts, args.output_len, c))
+                s.update(engine=name, concurrency=c, workload="throughput", precision=args.precision)
+                rows.append(s)
+                print_row(f"{name} c={c}", s)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    return rows
+
+
+def workload_long_prompt(args, starters: dict) -> list:
+    """8 streams decode while one 2,000-token prompt arrives: their inter-token latency, p99 over
+    median, for the streams' whole lives."""
+    rows = []
+    for name, start in starters.items():
+        proc, url = start(args, 9, 2200)
+        try:
+            streams = random_prompts(8, 32, args.vocab, seed=1)
+            long = random_prompts(1, 2000, args.vocab, seed=2)
+            run_load(url, streams[:2], 4, 2)
+            prompts = streams + long
+            delays = [0.0] * 8 + [2.0]  # the long prompt comes while the streams run
+            results = run_load(url, prompts, [192] * 8 + [16], 9, delays=delays)
+            s = summarize(results[:8])
+            s["long_prompt_ttft_ms"] = 1e3 * (results[8]["times"][0] - results[8]["start"])
+            s.update(engine=name, workload="long-prompt", precision=args.precision,
+                     itl_p99_over_median=s["itl_p99_ms"] / s["itl_median_ms"])
+            print(HEADER)
+            print_row(f"{name}, 8 streams + 2000-token prompt", s)
+            print(f"  ITL p99 / median {s['itl_p99_over_median']:.2f}; the long prompt's TTFT "
+                  f"{s['long_prompt_ttft_ms']:.0f} ms", flush=True)
+            rows.append(s)
+        finally:
+            stop(proc)
+    return rows
+
+
+def workload_shared_prefix(args, starters: dict) -> list:
+    """vLLM's prefix_repetition: prompts share one of a few 256-token prefixes, with their own
+    256-token suffix; ours with prefix reuse on and off."""
+    rows = []
+    variants = {"ours, prefix reuse": (), "ours, no prefix reuse": ("--no-prefix_reuse",)}
+    rng = random.Random(3)
+    prefixes = random_prompts(2, 256, args.vocab, seed=4)
+    prompts = [prefixes[i % 2] + [rng.randrange(1000, args.vocab - 1000) for _ in range(256)] for i in range(16)]
+    print(HEADER)
+    for label, extra in variants.items():
+        with open(args.logdir / f"{label.replace(' ', '_').replace(',', '')}.log", "w") as logfile:
+            proc, url = start_ours(args, 4, 700, logfile, extra)
+        try:
+            run_load(url, prompts[:2], 4, 2)
+            s = summarize(run_load(url, prompts, 32, 4))
+            s.update(engine=label, workload="shared-prefix", precision=args.precision)
+            print_row(label, s)
+            rows.append(s)
+        finally:
+            stop(proc)
+    on, off = rows
+    print(f"  median TTFT with reuse / without: {on['ttft_median_ms'] / off['ttft_median_ms']:.2f}", flush=True)
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m scripts.bench_serve")
+    p.add_argument("--model", default="smollm2-135m", help="a model name known to download.py")
+    p.add_argument("--checkpoint", type=Path, default=None, help="our checkpoint (default: checkpoints/MODEL)")
+    p.add_argument("--engines", default="ours,llama-server", help="comma-separated: ours, llama-server")
+    p.add_argument("--precision", choices=["float32", "int8"], default="float32",
+                   help="float32: ours float32 against llama.cpp F32; int8: ours int8 against Q8_0")
+    p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix"], default="throughput")
+    p.add_argument("--concurrency", default="1,4,8,16")
+    p.add_argument("--input_len", type=int, default=256)
+    p.add_argument("--output_len", type=int, default=128)
+    p.add_argument("--prompts_per_slot", type=int, default=2, help="requests per concurrency level: this x level")
+    p.add_argument("--min_prompts", type=int, default=4)
+    p.add_argument("--llama_server", default=None, help="llama-server binary (default: the build script's)")
+    p.add_argument("--json", type=Path, default=None, help="write every figure here")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    args.checkpoint = args.checkpoint or ROOT / "checkpoints" / args.model
+    args.vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]
+    args.logdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"minillm-bench-serve-{os.getpid()}"
+    args.logdir.mkdir(parents=True, exist_ok=True)
+    log(f"server logs in {args.logdir}")
+
+    def ours(args, slots, ctx):
+        with open(args.logdir / "ours.log", "a") as f:
+            return start_ours(args, slots, ctx, f)
+
+    def llama(args, slots, ctx):
+        with open(args.logdir / "llama-server.log", "a") as f:
+            return start_llama(args, slots, ctx, f)
+
+    known = {"ours": ours, "llama-server": llama}
+    names = args.engines.split(",")
+    if unknown := [n for n in names if n not in known]:
+        sys.exit(f"error: unknown engine(s) {', '.join(unknown)} (choose from {', '.join(known)})")
+    starters = {n: known[n] for n in names}
+    run = {"throughput": workload_throughput, "long-prompt": workload_long_prompt,
+           "shared-prefix": workload_shared_prefix}[args.workload]
+    rows = run(args, starters)
+    if args.json:
+        meta = {"machine_threads": THREADS, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:],
+                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                         text=True).stdout.strip()}
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        tmp.rename(args.json)
+        log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
