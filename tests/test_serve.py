@@ -13,11 +13,10 @@ import time
 import urllib.error
 import urllib.request
 
+import openai
 import pytest
 
 from conftest import ROOT, run_script
-
-openai = pytest.importorskip("openai")
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "List three colors:", "Once upon a time, in a small village,", "2 + 2 ="]
@@ -278,7 +277,6 @@ def test_serve_cli_errors(tmp_path, smollm2_dir):
     assert r.returncode != 0 and "lower --max_batch_size or --max_seq_length" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.skipif(not os.environ.get("MINILLM_TP_TESTS", "1") == "1", reason="TP tests switched off")
 def test_tensor_parallel_same_text(smollm2_dir, client):
     """torchrun with 2 ranks on gloo serves the same greedy texts."""
     proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 256, "--no-compile",
