@@ -69,16 +69,13 @@ class APIError(Exception):
 
 # ---------------------------------------------------------------- request checking
 
+KIND_NAMES = {float: "a number", int: "an integer", bool: "a boolean", str: "a string", dict: "an object"}
+
+
 def check_value(name: str, value, kind):
-    bad = APIError(400, f"`{name}` must be {'a number' if kind is float else 'an ' + kind.__name__ if kind is int else 'a ' + kind.__name__}", name)
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-    elif kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-    elif not isinstance(value, kind):
-        raise bad
+    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+    if not ok or (kind in (int, float) and isinstance(value, bool)):
+        raise APIError(400, f"`{name}` must be {KIND_NAMES[kind]}", name)
 
 
 def parse_stop(value) -> list:
@@ -517,9 +514,9 @@ def build_app(server: Server):
 
 # ---------------------------------------------------------------- start-up
 
-def kv_cache_bytes(args_model, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, world: int = 1) -> int:
+def kv_cache_bytes(config, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, world: int = 1) -> int:
     """Bytes of the KV cache BatchEngine allocates (its rows plus the scratch row), on one rank."""
-    a = args_model
+    a = config
     window = a.sliding_window if a.sliding_window and a.sliding_window < max_seq_length else None
     per_row = sum(2 * -(-a.n_kv_heads // world) * a.head_dim * (window if window and t == "sliding_attention"
                                                                  else max_seq_length)
