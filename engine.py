@@ -429,9 +429,11 @@ def bucket(n: int, limit: int, smallest: int = 128) -> int:
     return min(b, limit)
 
 
-def decode_logits(model: Transformer, tokens: Tensor, input_pos: Tensor, rows: Tensor, kv_len: int) -> Tensor:
-    """One token for each row (B, 1) at its own position (B, 1) of its own cache row (B,): (B, V)."""
-    return model(tokens, input_pos, kv_len=kv_len, rows=rows)[:, -1]
+def decode_logits(model: Transformer, tokens: Tensor, input_pos: Tensor, rows: Tensor, kv_len: int,
+                  logit_rows: Tensor) -> Tensor:
+    """One token for each row (B, 1) at its own position (B, 1) of its own cache row (B,): the
+    logits (L, V) of the batch rows logit_rows (L,)."""
+    return model(tokens, input_pos, kv_len=kv_len, rows=rows, logit_rows=logit_rows)[:, -1]
 
 
 def sample_rows(logits: Tensor, params: list, generators: list) -> Tensor:
@@ -503,14 +505,17 @@ class BatchEngine:
             self.decode = torch.compile(decode_logits, fullgraph=True, **compile_options(self.device, compile_mode))
             # a lone row would take the one-token kernels, other bits than beside others
             self.min_rows = min(2, max_batch_size + 1) if self.device.type == "cpu" else 1
-        # Rows of one compiled step: while requests decode, prompt tokens fill the step up to this
-        # many rows (each a row of its own, at its position), so a long prompt costs the running
-        # streams a slightly larger step rather than a whole prefill; 0: prompts prefill apart.
+        # Rows of one compiled step: while requests decode, prompt tokens ride in the same step
+        # (each a row of its own, at its position), so a prompt costs the running streams a larger
+        # step rather than a whole prefill; 0: prompts prefill apart. The CPU kernels serve up to
+        # 128 float tokens per call (16 quantized) with the same bits for a row whatever the others.
         if fused_rows is None:
-            fused_rows = kernels.MAX_TOKENS if compile and self.device.type == "cpu" and kernels.available() else 0
+            quantized = any(isinstance(m, quantize.QuantizedLayer) for m in model.modules())
+            fused_rows = (0 if not (compile and self.device.type == "cpu" and kernels.available())
+                          else kernels.MAX_TOKENS if quantized else 64)
         if model.ring_window:  # a ring cache reads a row's window before the step writes it: a prompt
             fused_rows = 0     # token would miss the keys of the tokens beside it in the same step
-        self.fused_rows = min(fused_rows, max_batch_size + 1) if fused_rows else 0
+        self.fused_rows = fused_rows
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
 
     # ---- from any thread
@@ -570,15 +575,19 @@ class BatchEngine:
         prefilled = []
         if plan.decode or plan.fused:
             rows = list(plan.decode)
+            keep = list(range(len(rows)))  # the rows whose logits are wanted: decoding ones, chunks' last
             for row, ids, start in plan.fused:
                 rows += [(row, t, start + j) for j, t in enumerate(ids)]
-                prefilled.append(len(rows) - 1)  # the chunk's last token: its logits, when the prompt ends there
+                keep.append(len(rows) - 1)  # its logits matter when the prompt ends there
             rows += [(self.scratch_row, 0, 0)] * (self.min_rows - len(rows))
+            keep += [0] * (self.min_rows - len(keep))  # the same kernels for the logits as for the rest
             kv_len = bucket(max(pos for _, _, pos in rows) + 1, self.max_seq_length)
-            decoded = self.decode(self.model, torch.tensor([[t] for _, t, _ in rows], device=device),
-                                  torch.tensor([[p] for _, _, p in rows], device=device),
-                                  torch.tensor([r for r, _, _ in rows], device=device), kv_len)
-            prefilled = [decoded[i] for i in prefilled]
+            logits = self.decode(self.model, torch.tensor([[t] for _, t, _ in rows], device=device),
+                                 torch.tensor([[p] for _, _, p in rows], device=device),
+                                 torch.tensor([r for r, _, _ in rows], device=device), kv_len,
+                                 torch.tensor(keep, device=device))
+            decoded = logits[:len(plan.decode)]
+            prefilled = [logits[len(plan.decode) + j] for j in range(len(plan.fused))]
         for row, ids, start in plan.prefill:
             T = len(ids)
             logits = self.model(torch.tensor([ids], device=device), torch.arange(start, start + T, device=device)[None],
@@ -625,7 +634,11 @@ class BatchEngine:
             else:
                 prefilling.append(req)
         budget = self.prefill_chunk
-        room = self.fused_rows - len(plan.decode) if plan.decode else 0
+        # prompt rows beside the decoding ones: the spare rows of a 16-row step, as many as there
+        # are decoding rows (a stream's step about twice as long while a prompt arrives), or 8 per
+        # waiting prompt (a queue of them is taken in at once), whichever is most
+        D = len(plan.decode)
+        room = min(self.fused_rows - D, max(kernels.MAX_TOKENS - D, D, 8 * len(prefilling))) if D else 0
         for req in sorted(prefilling, key=lambda r: self.slots[r.slot].last_used):  # first come, first served
             if room > 0:  # ride in the decode step
                 n = min(room, len(req.prompt) - req.fed)

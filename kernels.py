@@ -2,13 +2,13 @@
 (nn.Linear and SDPA), as quantize.py's layers are swapped in by `use_quantized_layers`.
 
 - `CpuLinear` (for every nn.Linear): a compiled one-token product as a multiply-and-sum that
-  inductor vectorizes, a compiled product of 2 to 16 tokens through `small_linear`, and bfloat16
+  inductor vectorizes, a compiled product of 2 to 128 tokens through `small_linear`, and bfloat16
   prompts in float32 on a CPU without bf16 instructions.
 - `CpuAttention` (for model.Attention): a few queries under a mask (decode, a speculative
   verify) through `attend`, or spelled out for inductor to fuse when the kernels are not built.
 
 The hand-written kernels, in kernels.cpp:
-- `small_linear`: float32 or bfloat16 weights times 2 to 16 tokens. BLAS's small-M GEMM is
+- `small_linear`: float32 or bfloat16 weights times 2 to 128 tokens. BLAS's small-M GEMM is
   compute-bound far below the machine's peak for such shapes, and inductor's multiply-and-sum
   keeps one accumulator per output, a serial chain of multiply-adds. This is the textbook
   register-blocked micro-kernel: two weight rows times up to six tokens, twelve AVX2
@@ -41,7 +41,9 @@ from torch import Tensor
 
 from model import Attention
 
-MAX_TOKENS = 16  # above this BLAS's packed GEMM is the better kernel (prefill)
+MAX_TOKENS = 16  # queries per attention call, and tokens per int8/int4 kernel call
+# tokens per small_linear call: it keeps pace with BLAS's packed GEMM up to here (docs/benchmarks.md)
+LINEAR_MAX_TOKENS = 128
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
 _state = {"built": None}
@@ -169,8 +171,8 @@ class CpuLinear(nn.Linear):
     - One token, compiled (batch-1 decode): multiply-and-sum in float32. Inductor turns it into
       one vectorized, multi-threaded reduction that streams the weight (widening bfloat16 in
       registers) at memory bandwidth, where BLAS and oneDNN gemv do not.
-    - 2 to 16 tokens, compiled (a speculative verify, a small batch): `small_linear`, which reads
-      each weight once for all the tokens.
+    - 2 to 128 tokens, compiled (a speculative verify, a batch of requests): `small_linear`,
+      which reads each weight once for all the tokens.
     - bfloat16, more tokens (a prompt), on a CPU without bf16 instructions: in float32, since
       oneDNN's bf16 GEMM there is much slower than widening the weight."""
 
@@ -182,7 +184,7 @@ class CpuLinear(nn.Linear):
             y = (self.weight.float() * x_row.float()).sum(-1).to(x.dtype)  # (out_features,)
             y = y.view(*x.shape[:-1], -1)  # (..., out_features)
             return y if self.bias is None else y + self.bias
-        if (compiled_on_cpu and tokens <= MAX_TOKENS and self.weight.dtype in (torch.float32, torch.bfloat16)
+        if (compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS and self.weight.dtype in (torch.float32, torch.bfloat16)
                 and available()):
             y = small_linear(x.float(), self.weight).to(x.dtype)  # (..., out_features)
             return y if self.bias is None else y + self.bias

@@ -424,13 +424,15 @@ class Transformer(nn.Module):
         return None if sdpa_causal else additive(causal), (additive(local) if window else None)
 
     def forward(self, tokens: Tensor, input_pos: Tensor, pad: Optional[Tensor] = None,
-                last_logits_only: bool = False, kv_len: Optional[int] = None, rows: Optional[Tensor] = None) -> Tensor:
+                last_logits_only: bool = False, kv_len: Optional[int] = None, rows: Optional[Tensor] = None,
+                logit_rows: Optional[Tensor] = None) -> Tensor:
         """tokens: (B, T) ids written at cache slots input_pos (T,); pad: (B,) left-padding per
         row; kv_len: cache slots in use after this chunk (the largest, over the rows), when the
         caller knows it, so attention skips the empty rest of the cache. rows (B,): row b is
         a request of its own, in cache row rows[b] at positions input_pos[b] (B, T), from 0
-        (continuous batching; no pad). Returns float logits (B, T, vocab), or (B, 1, vocab) for
-        the last position only."""
+        (continuous batching; no pad). logit_rows (L,): the batch rows whose logits are wanted
+        (a prompt token riding in a decode step needs none). Returns float logits (B, T, vocab),
+        (B, 1, vocab) for the last position only, or (L, T, vocab)."""
         assert self.max_seq_length > 0, "call setup_caches() first"
         B, no_pad = tokens.shape[0], pad is None
         if pad is None:
@@ -455,6 +457,8 @@ class Transformer(nn.Module):
             # for the rest
             x = layer(x, c, s, masks, input_pos, last_logits_only=last_logits_only and i == len(self.layers) - 1,
                       rows=rows)
+        if logit_rows is not None:
+            x = x[logit_rows]
         logits = self.output(self.norm(x))
         if self.args.final_logit_softcapping:
             cap = self.args.final_logit_softcapping

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 import checkpoint
-from engine import (BatchEngine, QueueFull, Request, Sampling, StepPlan, decode_logits, load_model, log,
+from engine import (BatchEngine, QueueFull, Request, Sampling, StepPlan, bucket, decode_logits, load_model, log,
                     parse_device, parse_dtype)
 from errors import UserError, run_cli
 from model import param_bytes
@@ -587,15 +587,25 @@ def check_args(args):
 
 
 def warm_up(engine: BatchEngine):
-    """Compile the decode step before serving: runs on the scratch row, for two batch sizes and two
-    cache lengths, so the compiled graph is general in both before the first request."""
+    """Compile the decode step before serving: runs on the scratch row, for two batch sizes (one
+    with prompt rows, which need no logits) and two cache lengths, so that the compiled graph is
+    general in all three before the first request; then for the whole cache, which compiles apart
+    (a request reaching it would otherwise wait for the compiler)."""
     if engine.decode is decode_logits:  # not compiled
         return
     start = time.perf_counter()
     log("compiling the decode step (a minute or more the first time, cached on disk afterwards)...")
     row, plans = engine.scratch_row, []
-    for rows, pos in [(engine.min_rows, 0), (engine.min_rows + 1, 0), (engine.min_rows + 1, min(200, engine.max_seq_length - 1))]:
-        plans.append(StepPlan(decode=[(row, 0, pos)] * min(rows, engine.max_batch_size + 1)))
+    last = engine.max_seq_length - 3
+    steps = [(engine.min_rows, 0), (engine.min_rows + 1, 0), (engine.min_rows + 1, min(200, last))]
+    if bucket(min(200, last) + 2, engine.max_seq_length) < engine.max_seq_length:
+        steps.append((engine.min_rows + 1, last))
+    for rows, pos in steps:
+        plan = StepPlan(decode=[(row, 0, pos)] * min(rows, engine.max_batch_size + 1))
+        if rows > engine.min_rows and engine.fused_rows:  # a prompt chunk of two tokens: one more logit-less row
+            plan.decode.pop()
+            plan.fused.append((row, [0, 0], pos))
+        plans.append(plan)
     with torch.inference_mode():
         for plan in plans:
             if engine.broadcast is not None:

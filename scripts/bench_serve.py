@@ -3,7 +3,7 @@
 Poisson arrivals); output tokens/s, requests/s, and TTFT, time per output token (TPOT) and
 inter-token latency (ITL), median and p99.
 
-    python -m scripts.bench_serve --engines ours,llama-server --concurrency 1,4,8,16
+    python -m scripts.bench_serve --engines ours,llama-server,transformers --concurrency 1,4,8,16
     python -m scripts.bench_serve --workload long-prompt     # a 2,000-token prompt joins 8 streams
     python -m scripts.bench_serve --workload shared-prefix   # ours with prefix reuse on and off
 
@@ -142,7 +142,7 @@ def run_load(url: str, prompts: list, max_tokens: int, concurrency: int, rate: f
     def worker(i):
         try:
             one_request(url, prompts[i], max_tokens if isinstance(max_tokens, int) else max_tokens[i], results[i])
-        except Exception as e:  # noqa: BLE001: reported in the results
+        except Exception as e:  # reported in the results
             results[i]["error"] = f"{type(e).__name__}: {e}"
         finally:
             gate.release()
@@ -200,19 +200,65 @@ HEADER = (f"{'engine / setting':<34} {'out t/s':>8} {'req/s':>6} {'TTFT p50':>8}
           f"{'ITL p50':>7} {'ITL p99':>7}   (ms)")
 
 
+def worker_transformers(args) -> None:
+    """In its own process: transformers' continuous batching (`generate_batch`) on the F32 GGUF,
+    the prompts of --worker_io, at most `concurrency` requests per batch; writes one result per
+    request in run_load's form (every request is queued at the start, so its TTFT includes the wait)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation import ContinuousBatchingConfig, GenerationConfig
+    torch.set_num_threads(THREADS)
+    job = json.loads(Path(args.worker_io).read_text())
+    gguf = Path(job["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 attn_implementation="sdpa_paged").eval()
+    cb = ContinuousBatchingConfig(max_requests_per_batch=job["concurrency"])
+
+    def batch(prompts, n):
+        config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1)
+        return model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb,
+                                    progress_bar=False, record_timestamps=True)
+
+    batch(job["warmup"], 4)
+    start = time.perf_counter()
+    out = batch(job["prompts"], job["output_len"])
+    end = time.perf_counter()
+    results = [{"start": start, "times": list(o.timestamps or []), "tokens": len(o.generated_tokens), "end": end}
+               for o in out.values()]
+    Path(args.worker_io).write_text(json.dumps(results))
+
+
+def run_transformers(args, prompts: list, warmup: list, concurrency: int) -> list:
+    gguf = gguf_variant(download.fetch_gguf(args.model), "F32", CACHE / "bench")
+    io = args.logdir / "transformers.json"
+    io.write_text(json.dumps({"gguf": str(gguf), "prompts": prompts, "warmup": warmup, "concurrency": concurrency,
+                              "output_len": args.output_len}))
+    with open(args.logdir / "transformers.log", "a") as logfile:
+        subprocess.run([sys.executable, "-m", "scripts.bench_serve", "--worker_io", str(io)], cwd=ROOT, check=True,
+                       stdout=logfile, stderr=subprocess.STDOUT)
+    return json.loads(io.read_text())
+
+
 def workload_throughput(args, starters: dict) -> list:
     """Random prompts at each concurrency, every engine; the engines alternate within each level."""
     rows = []
     levels = [int(c) for c in args.concurrency.split(",")]
-    servers = {name: start(args, max(levels), args.input_len + args.output_len + 8) for name, start in starters.items()}
+    servers = {name: start(args, max(levels), args.input_len + args.output_len + 8)
+               for name, start in starters.items() if name != "transformers"}
     try:
         print(HEADER)
         for c in levels:
             n = max(args.min_prompts, args.prompts_per_slot * c)
             prompts = random_prompts(n, args.input_len, args.vocab, seed=c)
-            for name, (_, url) in servers.items():
-                run_load(url, prompts[:min(c, 2)], 4, c)  # warm-up: first-use costs out of the figures
-                s = summarize(run_load(url, prompts, args.output_len, c))
+            # warm-up, first-use costs out of the figures; other prompts, so no prefix cache has them
+            warmup = random_prompts(min(c, 2), args.input_len, args.vocab, seed=1000 + c)
+            for name in starters:
+                if name == "transformers":
+                    s = summarize(run_transformers(args, prompts, warmup, c))
+                else:
+                    url = servers[name][1]
+                    run_load(url, warmup, 4, c)
+                    s = summarize(run_load(url, prompts, args.output_len, c))
                 s.update(engine=name, concurrency=c, workload="throughput", precision=args.precision)
                 rows.append(s)
                 print_row(f"{name} c={c}", s)
@@ -231,7 +277,7 @@ def workload_long_prompt(args, starters: dict) -> list:
         try:
             streams = random_prompts(8, 32, args.vocab, seed=1)
             long = random_prompts(1, 2000, args.vocab, seed=2)
-            run_load(url, streams[:2], 4, 2)
+            run_load(url, random_prompts(2, 32, args.vocab, seed=1001), 4, 2)  # warm-up
             prompts = streams + long
             delays = [0.0] * 8 + [2.0]  # the long prompt comes while the streams run
             results = run_load(url, prompts, [192] * 8 + [16], 9, delays=delays)
@@ -250,21 +296,24 @@ def workload_long_prompt(args, starters: dict) -> list:
 
 
 def workload_shared_prefix(args, starters: dict) -> list:
-    """vLLM's prefix_repetition: prompts share one of a few 256-token prefixes, with their own
-    256-token suffix; ours with prefix reuse on and off."""
+    """vLLM's prefix_repetition: prompts share one of two prefixes (256 tokens), each with its own
+    suffix (256), or other lengths (--prefix_len, --suffix_len: a long shared system prompt);
+    ours with prefix reuse on and off."""
     rows = []
     variants = {"ours, prefix reuse": (), "ours, no prefix reuse": ("--no-prefix_reuse",)}
     rng = random.Random(3)
-    prefixes = random_prompts(2, 256, args.vocab, seed=4)
-    prompts = [prefixes[i % 2] + [rng.randrange(1000, args.vocab - 1000) for _ in range(256)] for i in range(16)]
+    prefixes = random_prompts(2, args.prefix_len, args.vocab, seed=4)
+    prompts = [prefixes[i % 2] + [rng.randrange(1000, args.vocab - 1000) for _ in range(args.suffix_len)]
+               for i in range(16)]
     print(HEADER)
     for label, extra in variants.items():
         with open(args.logdir / f"{label.replace(' ', '_').replace(',', '')}.log", "w") as logfile:
-            proc, url = start_ours(args, 4, 700, logfile, extra)
+            proc, url = start_ours(args, 4, args.prefix_len + args.suffix_len + 40, logfile, extra)
         try:
-            run_load(url, prompts[:2], 4, 2)
+            run_load(url, random_prompts(2, 32, args.vocab, seed=1002), 4, 2)  # warm-up
             s = summarize(run_load(url, prompts, 32, 4))
-            s.update(engine=label, workload="shared-prefix", precision=args.precision)
+            s.update(engine=label, workload="shared-prefix", precision=args.precision, prefix_len=args.prefix_len,
+                     suffix_len=args.suffix_len)
             print_row(label, s)
             rows.append(s)
         finally:
@@ -278,22 +327,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m scripts.bench_serve")
     p.add_argument("--model", default="smollm2-135m", help="a model name known to download.py")
     p.add_argument("--checkpoint", type=Path, default=None, help="our checkpoint (default: checkpoints/MODEL)")
-    p.add_argument("--engines", default="ours,llama-server", help="comma-separated: ours, llama-server")
+    p.add_argument("--engines", default="ours,llama-server",
+                   help="comma-separated: ours, llama-server, transformers (generate_batch, throughput workload only)")
     p.add_argument("--precision", choices=["float32", "int8"], default="float32",
                    help="float32: ours float32 against llama.cpp F32; int8: ours int8 against Q8_0")
     p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix"], default="throughput")
     p.add_argument("--concurrency", default="1,4,8,16")
     p.add_argument("--input_len", type=int, default=256)
     p.add_argument("--output_len", type=int, default=128)
+    p.add_argument("--prefix_len", type=int, default=256, help="shared-prefix: the shared part's tokens")
+    p.add_argument("--suffix_len", type=int, default=256, help="shared-prefix: each prompt's own part")
     p.add_argument("--prompts_per_slot", type=int, default=2, help="requests per concurrency level: this x level")
     p.add_argument("--min_prompts", type=int, default=4)
     p.add_argument("--llama_server", default=None, help="llama-server binary (default: the build script's)")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
+    p.add_argument("--worker_io", default=None, help=argparse.SUPPRESS)  # the transformers worker's job file
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.worker_io:
+        return worker_transformers(args)
     args.checkpoint = args.checkpoint or ROOT / "checkpoints" / args.model
     args.vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]
     args.logdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"minillm-bench-serve-{os.getpid()}"
@@ -308,10 +363,12 @@ def main(argv=None):
         with open(args.logdir / "llama-server.log", "a") as f:
             return start_llama(args, slots, ctx, f)
 
-    known = {"ours": ours, "llama-server": llama}
+    known = {"ours": ours, "llama-server": llama, "transformers": None}
     names = args.engines.split(",")
     if unknown := [n for n in names if n not in known]:
         sys.exit(f"error: unknown engine(s) {', '.join(unknown)} (choose from {', '.join(known)})")
+    if "transformers" in names and args.workload != "throughput":
+        sys.exit("error: the transformers engine (generate_batch, not a server) runs the throughput workload only")
     starters = {n: known[n] for n in names}
     run = {"throughput": workload_throughput, "long-prompt": workload_long_prompt,
            "shared-prefix": workload_shared_prefix}[args.workload]

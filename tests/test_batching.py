@@ -57,6 +57,24 @@ def test_each_request_as_alone(arch, compiled):
     assert all(r.finish_reason == "length" for r in reqs)
 
 
+def test_wide_steps_as_alone():
+    """Eleven streams decoding while two long prompts arrive: steps of more than 16 rows (prompt
+    tokens as many as decoding rows), and still each request's greedy tokens are its solo run's."""
+    model = random_model()
+    ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 90))]
+    want = [alone(model, p, 24) for p in ps]
+    engine = BatchEngine(kernels.install(copy.deepcopy(model)), max_batch_size=13, max_seq_length=128,
+                         compile=True, prefill_chunk=16)
+    widths = []
+    plan = engine._plan
+    engine._plan = lambda: (p := plan(), widths.append(len(p.decode) + sum(len(c[1]) for c in p.fused)))[0]
+    reqs = [Request(p, 24) for p in ps]
+    run_all(engine, {0: reqs[:11], 6: reqs[11:]})
+    assert [r.out for r in reqs] == want
+    if kernels.available():
+        assert max(widths) > 16, widths
+
+
 def test_prefix_reuse():
     """A request that shares a finished request's beginning prefills only the rest, with the
     same output as a cold run; the least recently used free slot is taken otherwise."""
