@@ -211,7 +211,7 @@ def worker_transformers(args) -> None:
     job = json.loads(Path(args.worker_io).read_text())
     gguf = Path(job["gguf"])
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 attn_implementation="sdpa_paged").eval()
+                                                 attn_implementation="paged|sdpa").eval()
     cb = ContinuousBatchingConfig(max_requests_per_batch=job["concurrency"])
 
     def batch(prompts, n):
