@@ -27,6 +27,7 @@ import checkpoint
 import kernels
 import quantize
 from errors import UserError
+from grammar import allow_tokens
 from model import Transformer, param_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,13 +108,49 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Sampling:
+    """How a row picks its next token. Temperature, top-k, top-p and min-p shape the distribution
+    (in that order, as transformers does) and run inside the compiled step; the penalties and
+    logit_bias depend on the tokens so far, and run on the step's logits outside it."""
     temperature: float = 0.0  # 0: greedy
     top_k: Optional[int] = None
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (Nguyen et al. 2024)
+    repetition_penalty: float = 1.0  # a token of the prompt or output: logit / p if positive, x p if not (CTRL)
+    presence_penalty: float = 0.0  # OpenAI's: minus this once a token is in the output ...
+    frequency_penalty: float = 0.0  # ... and minus this times how often it is
+    logit_bias: tuple = ()  # ((token id, bias added to its logit), ...)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits depend on the tokens so far (or on a bias): sampled outside the compiled step."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
+
+def check_sampling(s: Sampling, vocab_size: int):
+    """UserError for a setting out of range (the ranges OpenAI and vLLM accept)."""
+    if not s.temperature >= 0:
+        raise UserError("temperature must be >= 0")
+    if s.top_k is not None and s.top_k < 1:
+        raise UserError("top_k must be at least 1")
+    if not 0 < s.top_p <= 1:
+        raise UserError("top_p must be in (0, 1]")
+    if not 0 <= s.min_p <= 1:
+        raise UserError("min_p must be in [0, 1]")
+    if not 0 < s.repetition_penalty <= 10:
+        raise UserError("repetition_penalty must be in (0, 10]")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(s, name) <= 2:
+            raise UserError(f"{name} must be in [-2, 2]")
+    for token, bias in s.logit_bias:
+        if not 0 <= token < vocab_size:
+            raise UserError(f"logit_bias: token id {token} is out of range [0, {vocab_size})")
+        if not -100 <= bias <= 100:
+            raise UserError(f"logit_bias: the bias of token {token} must be in [-100, 100]")
 
 
 def logits_to_probs(logits: Tensor, sampling: Sampling) -> Tensor:
-    """(B, V) float logits -> (B, V) probabilities after temperature, top-k and top-p."""
+    """(B, V) float logits -> (B, V) probabilities after temperature, top-k, top-p and min-p."""
     logits = logits / max(sampling.temperature, 1e-5)
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
@@ -125,7 +162,11 @@ def logits_to_probs(logits: Tensor, sampling: Sampling) -> Tensor:
         drop = (probs.cumsum(-1) - probs) >= sampling.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.min_p > 0:
+        probs = probs.masked_fill(probs < sampling.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def sample_probs(probs: Tensor) -> Tensor:
@@ -141,17 +182,121 @@ def sample(logits: Tensor, sampling: Sampling) -> Tensor:
     return sample_probs(logits_to_probs(logits, sampling))
 
 
+def adjust_logits(logits: Tensor, rows: list) -> Tensor:
+    """(B, V) float logits with each row's penalties and logit_bias applied (rows[b]: a Request;
+    the penalties count its prompt and output tokens as vLLM does: repetition over both, presence
+    and frequency over the output). Returns a new tensor when anything changes."""
+    adjusted = [b for b, r in enumerate(rows) if r.sampling.adjusts]
+    if not adjusted:
+        return logits
+    logits, device, V = logits.clone(), logits.device, logits.shape[-1]
+    R = len(adjusted)
+    index = torch.tensor(adjusted, device=device)
+    x = logits[index]  # (R, V)
+
+    def counts(seqs: list) -> Tensor:  # (R, V): how often each token occurs in each row's ids
+        c = torch.zeros(R * V, device=device)
+        flat = [i * V + t for i, ids in enumerate(seqs) for t in ids]
+        if flat:
+            c.index_add_(0, torch.tensor(flat, device=device), torch.ones(len(flat), device=device))
+        return c.view(R, V)
+
+    params = [rows[b].sampling for b in adjusted]
+    out = counts([rows[b].out for b in adjusted])
+    column = lambda values: torch.tensor(values, device=device, dtype=x.dtype).unsqueeze(1)  # noqa: E731
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = (out + counts([rows[b].prompt for b in adjusted])) > 0
+        penalty = column([p.repetition_penalty for p in params])
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        x = x - column([p.presence_penalty for p in params]) * (out > 0) - column([p.frequency_penalty for p in params]) * out
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            tokens, biases = zip(*p.logit_bias)
+            x[i, list(tokens)] += torch.tensor(biases, device=device, dtype=x.dtype)
+    logits[index] = x
+    return logits
+
+
+def sample_rows(logits: Tensor, params: list, generators: list) -> Tensor:
+    """(B, V) logits -> (B,) token ids, row b under its own Sampling params[b]; a row's random
+    draws come from generators[b] (None: torch's global one). One batched computation for the
+    rows that sample, argmax for the greedy ones; no host sync."""
+    ids = logits.argmax(-1)
+    hot = [b for b, p in enumerate(params) if p.temperature > 0]
+    if not hot:
+        return ids
+    V, device = logits.shape[-1], logits.device
+    x = logits[hot] / torch.tensor([params[b].temperature for b in hot], device=device).unsqueeze(1)
+    top_k = torch.tensor([min(params[b].top_k or V, V) for b in hot], device=device).unsqueeze(1)
+    top_p = torch.tensor([params[b].top_p for b in hot], device=device).unsqueeze(1)
+    if any(params[b].top_p < 1 for b in hot):  # top-k, then top-p over what is left (as logits_to_probs)
+        ranked, order = torch.sort(x, dim=-1, descending=True)
+        ranked = ranked.masked_fill(torch.arange(V, device=device) >= top_k, float("-inf"))
+        probs = torch.softmax(ranked, dim=-1)
+        ranked = ranked.masked_fill((probs.cumsum(-1) - probs) >= top_p, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, ranked)
+    elif any(params[b].top_k for b in hot):
+        kth = torch.topk(x, int(top_k.max()), dim=-1).values.gather(1, top_k - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if any(params[b].min_p > 0 for b in hot):
+        min_p = torch.tensor([params[b].min_p for b in hot], device=device).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    noise = torch.stack([torch.empty(V, device=device).exponential_(1, generator=generators[b]) for b in hot])
+    ids[hot] = (probs / noise).argmax(-1)
+    return ids
+
+
+MAX_LOGPROBS = 20  # top_logprobs per token, at most (as OpenAI)
+
+
+def token_logprobs(logits: Tensor, ids: list, top: list) -> list:
+    """The model's log-probabilities (log-softmax of its logits, before penalties, temperature or a
+    grammar): for each row b with top[b] not None, (logprob of ids[b], [(token, logprob)] of its
+    top[b] most likely tokens); None for the others."""
+    want = [b for b, k in enumerate(top) if k is not None]
+    result = [None] * len(ids)
+    if not want:
+        return result
+    logp = torch.log_softmax(logits[want].float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor([[ids[b]] for b in want], device=logits.device)).view(-1).tolist()
+    k = max(top[b] for b in want)
+    values, tokens = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    values, tokens = values.tolist(), tokens.tolist()
+    for i, b in enumerate(want):
+        result[b] = (chosen[i], list(zip(tokens[i][:top[b]], values[i][:top[b]])))
+    return result
+
+
+def pick_tokens(logits: Tensor, rows: list) -> list:
+    """Each row's next token from its logits (B, V): its penalties and logit_bias, its grammar's
+    mask, then its Sampling, drawn from its own generator; records the logprobs a row asked for.
+    rows[b]: a Request (its sampling, prompt, out, constraint, generator, logprobs)."""
+    x = adjust_logits(logits.float(), rows)
+    if any(r.constraint is not None for r in rows):
+        x = allow_tokens(x if x is not logits else x.clone(), [r.constraint for r in rows])
+    ids = sample_rows(x, [r.sampling for r in rows], [r.generator for r in rows]).tolist()
+    for r, lp in zip(rows, token_logprobs(logits, ids, [r.logprobs for r in rows])):
+        if lp is not None:
+            r.token_logprobs.append(lp)
+    return ids
+
+
 # ---------------------------------------------------------------- the two phases
 
-def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, pad: Tensor, sampling: Sampling,
+def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, pad: Tensor, sampling: Optional[Sampling],
             kv_len: Optional[int] = None) -> Tensor:
+    """The next token of each row (B, 1); with sampling None its logits (B, V), for pick_tokens."""
     logits = model(tokens, input_pos, pad, last_logits_only=True, kv_len=kv_len)  # (B, 1, V)
-    return sample(logits[:, -1], sampling)
+    return logits[:, -1] if sampling is None else sample(logits[:, -1], sampling)
 
 
-def decode_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, pad: Tensor, sampling: Sampling) -> Tensor:
+def decode_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, pad: Tensor,
+                     sampling: Optional[Sampling]) -> Tensor:
+    """As prefill, for one token per row (B, 1) at position input_pos (1,)."""
     logits = model(cur, input_pos, pad)  # (B, 1, V)
-    return sample(logits[:, -1], sampling)
+    return logits[:, -1] if sampling is None else sample(logits[:, -1], sampling)
 
 
 def compile_options(device: torch.device, compile_mode: str) -> dict:
@@ -218,6 +363,8 @@ class Stats:
     decode_s: float
     token_times: list  # host time at which each decode step's tokens were ready
     batch_size: int = 1
+    finish_reasons: list = field(default_factory=list)  # per row: "stop" | "length"
+    logprobs: list = field(default_factory=list)  # per row, per token (see token_logprobs), when asked for
 
 
 class Generator(Protocol):
@@ -232,7 +379,8 @@ class Generator(Protocol):
         """Run every compiled graph once, so that the next call measures generation, not compilation."""
 
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), start_pos: int = 0,
-                 on_tokens: Optional[Callable] = None) -> tuple:
+                 on_tokens: Optional[Callable] = None, constraints: Optional[list] = None,
+                 logprobs: Optional[int] = None, host: bool = False) -> tuple:
         """(each row's new token ids, Stats)."""
 
     def metrics(self, stats: Stats) -> dict:
@@ -248,6 +396,7 @@ class Engine(Generator):
         self.device = model.norm.weight.device
         self.prefill, self.decode_one_token = prefill, decode_one_token
         self.compiled = compile or compile_prefill
+        self.jump_forward = True  # feed the tokens a grammar forces as one chunk (False: one step each)
         if compile:
             self.decode_one_token = torch.compile(decode_one_token, fullgraph=True,
                                                   **compile_options(self.device, compile_mode))
@@ -259,64 +408,122 @@ class Engine(Generator):
         if model.max_batch_size != batch_size or model.max_seq_length != max_seq_length:
             model.setup_caches(batch_size, max_seq_length)
 
-    def warm_up(self, prompts: list, sampling: Sampling, steps: int = 3):
+    def warm_up(self, prompts: list, sampling: Sampling, steps: int = 3, host: bool = False):
         if not self.compiled:
             return
         steps = min(steps, self.model.max_seq_length - max(len(p) for p in prompts))
         log("compiling (about a minute the first time, cached on disk afterwards"
             "; every run with --compile_mode max)...")
         start = time.perf_counter()
-        self.generate(prompts, steps, sampling)  # prefill + decode steps: the compiled graph runs from the second on
+        # prefill + decode steps: the compiled graph runs from the second on
+        self.generate(prompts, steps, sampling, host=host)
         log(f"compiled in {time.perf_counter() - start:.1f} s")
 
     @torch.inference_mode()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), start_pos: int = 0,
-                 on_tokens: Optional[Callable] = None) -> tuple:
+                 on_tokens: Optional[Callable] = None, constraints: Optional[list] = None,
+                 logprobs: Optional[int] = None, host: bool = False) -> tuple:
         """Generate for a batch of token-id prompts (left-padded to a common length).
         start_pos > 0 continues a single conversation whose first start_pos tokens are cached.
-        on_tokens(list of per-row new ids) is called as tokens arrive. Returns (outputs, Stats):
-        each row's new tokens, ending at (and including) its stop token if it met one."""
+        on_tokens(list of per-row new ids, None for a row that has ended) is called as tokens
+        arrive; it may return rows to end there (a stop string). constraints: per row a
+        grammar.Constraint or None; logprobs: record each token's logprob and this many top ones.
+        Returns (outputs, Stats): each row's new tokens, ending at (and including) its stop token
+        if it met one.
+
+        Penalties, logit_bias, constraints and logprobs (or host=True) take the step's logits to
+        the host (pick_tokens) instead of sampling inside the compiled step. At batch size 1,
+        tokens a grammar forces go through the model as one chunk with the sampled token before
+        them, not one step each; a batch shares one position per step, so there each row's
+        forced tokens come one per step (its mask allows nothing else)."""
         batch, prompt_len = len(prompts), max(len(p) for p in prompts)
         device = self.device
         check_fits(start_pos, prompt_len, max_new_tokens, self.model.max_seq_length)
         pad = torch.tensor([prompt_len - len(p) for p in prompts], device=device)
         tokens = torch.tensor([[0] * (prompt_len - len(p)) + list(p) for p in prompts], device=device)
+        rows = [Request(list(p), max_new_tokens, sampling, constraint=constraints[b] if constraints else None,
+                        logprobs=logprobs) for b, p in enumerate(prompts)]
+        host = host or sampling.adjusts or logprobs is not None or any(r.constraint for r in rows)
         stop = set(stop_ids)
-        outputs, done = [[] for _ in range(batch)], [False] * batch
 
-        def accept(ids: list):
-            fresh = []
-            for row, token in enumerate(ids):
-                if done[row]:
-                    fresh.append(None)
+        def accept(ids: list) -> list:
+            """Hand out each live row's sampled token (and what its grammar forces after it);
+            returns the tokens to feed next (one row: all of them)."""
+            fresh = [None if r.finish_reason is not None else
+                     r.take(token, jump=self.jump_forward and batch == 1 and token not in stop)
+                     for r, token in zip(rows, ids)]
+            hand_out(fresh)
+            return [f if f is not None else [0] for f in fresh]
+
+        def hand_out(fresh: list):
+            for r, new in zip(rows, fresh):
+                if new is None:
                     continue
-                outputs[row].append(token)
-                done[row] = token in stop
-                fresh.append(token)
+                r.out.extend(new)
+                if r.error:
+                    r.finish_reason = "error"
+                elif new[-1] in stop or (r.constraint is not None and r.constraint.done()):
+                    r.finish_reason = "stop"
+                elif len(r.out) >= max_new_tokens:
+                    r.finish_reason = "length"
             if on_tokens:
-                on_tokens(fresh)
+                for i in range(max(len(f) for f in fresh if f is not None)):
+                    for b in on_tokens([f[i] if f is not None and i < len(f) else None for f in fresh]) or ():
+                        del rows[b].out[len(rows[b].out) - len(fresh[b]) + i + 1:]  # what followed was never said
+                        fresh[b] = fresh[b][:i + 1]
+                        rows[b].finish_reason = "stop"
+
+        def pick(logits: Tensor) -> list:
+            live = [b for b, r in enumerate(rows) if r.finish_reason is None]
+            ids = [0] * batch
+            for b, token in zip(live, pick_tokens(logits[live], [rows[b] for b in live])):
+                ids[b] = token
+            return ids
 
         start = time.perf_counter()
+        if batch == 1 and self.jump_forward and rows[0].constraint is not None:
+            # what the grammar forces before any choice (a JSON object's first key) is prefilled with the prompt
+            lead = rows[0].take(None)
+            if lead:
+                hand_out([lead])
+                tokens = torch.cat([tokens, torch.tensor([rows[0].out], device=device)], 1)
+                prompt_len += len(rows[0].out)
         input_pos = torch.arange(start_pos, start_pos + prompt_len, device=device)
-        cur = self.prefill(self.model, tokens, input_pos, pad, sampling, start_pos + prompt_len)
-        accept(cur.view(-1).tolist())
+        if rows[0].finish_reason is not None:
+            feed = [[0]]  # a grammar that forced the whole output: nothing to compute
+        elif host:
+            logits = self.prefill(self.model, tokens, input_pos, pad, None, start_pos + prompt_len)
+            feed = accept(pick(logits))
+        else:
+            feed = accept(self.prefill(self.model, tokens, input_pos, pad, sampling,
+                                       start_pos + prompt_len).view(-1).tolist())
         first = time.perf_counter()
         times = []
-        pos = start_pos + prompt_len
-        for step in range(max_new_tokens - 1):
-            if all(done):
-                break
-            input_pos = torch.tensor([pos], device=device)
-            with guards_skipped(step > 0):
-                # clone: under CUDA graphs the next replay overwrites the previous step's output buffer
-                cur = self.decode_one_token(self.model, cur.clone(), input_pos, pad, sampling)
-            accept(cur.view(-1).tolist())  # the host needs the tokens anyway: to stop at EOS and to print
-            times.append(time.perf_counter())
-            pos += 1
+        pos = start_pos + prompt_len  # where the next fed token goes
+        steps = 0
+        while not all(r.finish_reason for r in rows):
+            if len(feed[0]) > 1:  # one row: its sampled token and the ones its grammar forced, as one chunk
+                T = len(feed[0])
+                logits = self.prefill(self.model, torch.tensor(feed, device=device),
+                                      torch.arange(pos, pos + T, device=device), pad, None, pos + T)
+            else:
+                cur = torch.tensor(feed, device=device)  # (B, 1)
+                with guards_skipped(steps > 0):
+                    # clone: under CUDA graphs the next replay overwrites the previous step's output buffer
+                    out = self.decode_one_token(self.model, cur, torch.tensor([pos], device=device), pad,
+                                                None if host else sampling).clone()
+                steps += 1
+                logits = out if host else None
+            pos += len(feed[0])
+            # the host needs the tokens anyway: to stop at EOS and to print
+            feed = accept(pick(logits) if host else out.view(-1).tolist())
+            times.extend([time.perf_counter()] * len(feed[0]))  # a chunk's tokens arrive at once
         end = times[-1] if times else first
-        stats = Stats(prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(len(o) for o in outputs),
-                      ttft_s=first - start, decode_s=end - first, token_times=[first] + times, batch_size=batch)
-        return outputs, stats
+        stats = Stats(prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(len(r.out) for r in rows),
+                      ttft_s=first - start, decode_s=end - first, token_times=[first] + times, batch_size=batch,
+                      finish_reasons=[r.finish_reason for r in rows],
+                      logprobs=[r.token_logprobs for r in rows] if logprobs is not None else [])
+        return [r.out for r in rows], stats
 
     def metrics(self, stats: Stats) -> dict:
         return decode_metrics(stats, self.model, self.device)
@@ -382,8 +589,8 @@ def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> di
 
 @dataclass(eq=False)
 class Request:
-    """One sequence of a BatchEngine: what it asks for, and its state. The callbacks run on the
-    thread that calls BatchEngine.step()."""
+    """One sequence: what it asks for, and its state (a BatchEngine request, or a row of
+    Engine.generate). The callbacks run on the thread that calls BatchEngine.step()."""
     prompt: list
     max_new_tokens: int
     sampling: Sampling = Sampling()
@@ -396,9 +603,30 @@ class Request:
     error: Optional[str] = None
     cached_tokens: int = 0  # leading prompt tokens whose keys and values a previous request left
     slot: Optional[int] = None
-    fed: int = 0  # prompt tokens in the cache so far
+    fed: int = 0  # tokens of prompt + out in the cache so far
     cancelled: bool = False  # set from any thread: the engine ends the request at its next step
     generator: Optional[torch.Generator] = None
+    constraint: Optional[object] = None  # a grammar.Constraint: the output must match it
+    logprobs: Optional[int] = None  # record each token's logprob and this many top ones (token_logprobs)
+    token_logprobs: list = field(default_factory=list)
+
+    def take(self, token: Optional[int], jump: bool = True) -> list:
+        """The tokens the request gains from sampling `token`: it, then (jump) the ones its grammar
+        forces after it, within max_new_tokens. Sets `error` if the grammar rejects the token.
+        token None: only what the grammar forces at the start (leaving room for one sampled token)."""
+        c = self.constraint
+        if c is None:
+            return [token]
+        if token is not None and not c.accept(token):
+            self.error = c.error() or f"the grammar rejects token {token}"
+            return [token]
+        new = [] if token is None else [token]
+        room = self.max_new_tokens - len(self.out) - len(new) - (token is None)
+        forced = c.forced()[:max(room, 0)] if jump and not c.done() else []
+        if forced and not c.accept_all(forced):
+            self.error = c.error() or "the grammar rejects its own forced tokens"
+            return new
+        return new + forced
 
 
 @dataclass(eq=False)
@@ -434,33 +662,6 @@ def decode_logits(model: Transformer, tokens: Tensor, input_pos: Tensor, rows: T
     """One token for each row (B, 1) at its own position (B, 1) of its own cache row (B,): the
     logits (L, V) of the batch rows logit_rows (L,)."""
     return model(tokens, input_pos, kv_len=kv_len, rows=rows, logit_rows=logit_rows)[:, -1]
-
-
-def sample_rows(logits: Tensor, params: list, generators: list) -> Tensor:
-    """(B, V) logits -> (B,) token ids, row b under its own Sampling params[b]; a row's random
-    draws come from generators[b] (None: torch's global one). One batched computation for the
-    rows that sample, argmax for the greedy ones; no host sync."""
-    ids = logits.argmax(-1)
-    hot = [b for b, p in enumerate(params) if p.temperature > 0]
-    if not hot:
-        return ids
-    V, device = logits.shape[-1], logits.device
-    x = logits[hot] / torch.tensor([params[b].temperature for b in hot], device=device).unsqueeze(1)
-    top_k = torch.tensor([min(params[b].top_k or V, V) for b in hot], device=device).unsqueeze(1)
-    top_p = torch.tensor([params[b].top_p for b in hot], device=device).unsqueeze(1)
-    if any(params[b].top_p < 1 for b in hot):  # top-k, then top-p over what is left (as logits_to_probs)
-        ranked, order = torch.sort(x, dim=-1, descending=True)
-        ranked = ranked.masked_fill(torch.arange(V, device=device) >= top_k, float("-inf"))
-        probs = torch.softmax(ranked, dim=-1)
-        ranked = ranked.masked_fill((probs.cumsum(-1) - probs) >= top_p, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, ranked)
-    elif any(params[b].top_k for b in hot):
-        kth = torch.topk(x, int(top_k.max()), dim=-1).values.gather(1, top_k - 1)
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    noise = torch.stack([torch.empty(V, device=device).exponential_(1, generator=generators[b]) for b in hot])
-    ids[hot] = (probs / noise).argmax(-1)
-    return ids
 
 
 class BatchEngine:
@@ -516,6 +717,7 @@ class BatchEngine:
         if model.ring_window:  # a ring cache reads a row's window before the step writes it: a prompt
             fused_rows = 0     # token would miss the keys of the tokens beside it in the same step
         self.fused_rows = fused_rows
+        self.jump_forward = True  # feed the tokens a grammar forces as one chunk (False: one step each)
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
 
     # ---- from any thread
@@ -621,16 +823,20 @@ class BatchEngine:
                 req.slot, req.fed, req.cached_tokens = i, keep, keep
                 self.counters["prompt_tokens"] += len(req.prompt)
                 self.counters["cached_tokens"] += keep
+                if req.constraint is not None and self.jump_forward:  # what the grammar forces first is
+                    lead = req.take(None)                             # prefilled with the prompt
+                    if lead:
+                        self._hand_out(req, lead)
 
     def _plan(self) -> StepPlan:
         plan = StepPlan()
-        prefilling = []
+        prefilling = []  # requests with more than one token to feed: a prompt, or tokens a grammar forced
         for i, slot in enumerate(self.slots):
             req = slot.request
             if req is None:
                 continue
-            if req.out:  # past its prompt: its last token goes in at the next position
-                plan.decode.append((i, req.out[-1], len(slot.cached)))
+            if req.out and req.fed == len(req.prompt) + len(req.out) - 1:  # its last token goes in next
+                plan.decode.append((i, req.out[-1], req.fed))
             else:
                 prefilling.append(req)
         budget = self.prefill_chunk
@@ -640,18 +846,19 @@ class BatchEngine:
         D = len(plan.decode)
         room = min(self.fused_rows - D, max(kernels.MAX_TOKENS - D, D, 8 * len(prefilling))) if D else 0
         for req in sorted(prefilling, key=lambda r: self.slots[r.slot].last_used):  # first come, first served
+            pending = req.prompt[req.fed:] + req.out[max(0, req.fed - len(req.prompt)):]
             if room > 0:  # ride in the decode step
-                n = min(room, len(req.prompt) - req.fed)
-                plan.fused.append((req.slot, req.prompt[req.fed:req.fed + n], req.fed))
+                n = min(room, len(pending))
+                plan.fused.append((req.slot, pending[:n], req.fed))
                 room -= n
                 continue
             if plan.fused:
                 break
             # chunks at fixed offsets from where the request starts, whatever else runs
-            n = min(self.prefill_chunk, len(req.prompt) - req.fed)
+            n = min(self.prefill_chunk, len(pending))
             if n > budget and plan.prefill:
                 break
-            plan.prefill.append((req.slot, req.prompt[req.fed:req.fed + n], req.fed))
+            plan.prefill.append((req.slot, pending[:n], req.fed))
             budget -= n
         return plan
 
@@ -659,37 +866,49 @@ class BatchEngine:
         ready = []  # (request, its logits)
         if plan.decode:
             for b, (row, token, _) in enumerate(plan.decode):
+                req = self.slots[row].request
                 self.slots[row].cached.append(token)
-                ready.append((self.slots[row].request, decoded[b]))
-        for (row, ids, _), logits in zip(plan.fused + plan.prefill, prefilled):
+                req.fed += 1
+                ready.append((req, decoded[b]))
+        for (row, ids, start), logits in zip(plan.fused + plan.prefill, prefilled):
             req = self.slots[row].request
             self.slots[row].cached.extend(ids)
             req.fed += len(ids)
-            self.counters["prefilled_tokens"] += len(ids)
-            if req.fed == len(req.prompt):
+            self.counters["prefilled_tokens"] += max(0, min(len(ids), len(req.prompt) - start))
+            if req.fed == len(req.prompt) + len(req.out):
                 ready.append((req, logits))
         if not ready:
             return
         try:
-            ids = sample_rows(torch.stack([logits for _, logits in ready]), [r.sampling for r, _ in ready],
-                              [r.generator for r, _ in ready]).tolist()
+            ids = pick_tokens(torch.stack([logits for _, logits in ready]), [r for r, _ in ready])
         except Exception as e:
             for req, _ in ready:
                 self._finish(req, "error", f"sampling failed: {type(e).__name__}: {e}")
             return
         for (req, _), token in zip(ready, ids):
             self.slots[req.slot].last_used = self.steps
+            self._hand_out(req, req.take(token, jump=self.jump_forward and token not in req.stop_ids))
+
+    def _hand_out(self, req: Request, tokens: list):
+        """A request's new tokens (a sampled one and any its grammar forced after it): to its
+        output and its on_token callback, until one ends it."""
+        for i, token in enumerate(tokens):
             req.out.append(token)
             self.counters["generated_tokens"] += 1
             try:
                 stop = bool(req.on_token(req, token)) if req.on_token else False
             except Exception as e:  # a fault in one request's handling ends that request only
                 self._finish(req, "error", f"{type(e).__name__}: {e}")
-                continue
-            if token in req.stop_ids or stop:
+                return
+            if req.error:
+                self._finish(req, "error", req.error)
+            elif token in req.stop_ids or stop or (i == len(tokens) - 1 and req.constraint is not None
+                                                    and req.constraint.done()):
                 self._finish(req, "stop")
             elif len(req.out) >= req.max_new_tokens:
                 self._finish(req, "length")
+            if req.finish_reason is not None:
+                return
 
     def _finish(self, req: Request, reason: str, error: Optional[str] = None):
         if req.finish_reason is not None:

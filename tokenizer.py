@@ -229,6 +229,44 @@ class StreamDecoder:
         return text[len(printed) :]
 
 
+class StopStrings:
+    """A sequence's text as tokens arrive, cut where a stop string begins (the stop string and what
+    follows are not part of the output, and a stop string may span tokens). What may still turn
+    out to begin a stop string is held back: `ready()` is the text that can go out now."""
+
+    def __init__(self, tokenizer, stops=()):
+        self.decoder, self.stops = StreamDecoder(tokenizer), [s for s in stops if s]
+        self.text, self.stopped = "", False
+
+    def push(self, token_id: int) -> bool:
+        """Add a token's text; True when a stop string has appeared (the text now ends before it)."""
+        if self.stopped:
+            return True
+        start = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
+        self.text += self.decoder.push(token_id)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)], True
+        return self.stopped
+
+    def finish(self) -> str:
+        """The whole text, once no more tokens come."""
+        if not self.stopped:
+            self.text += self.decoder.flush()  # an incomplete character held back until now
+            hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+        return self.text
+
+    def ready(self) -> str:
+        """The text so far less its end that may begin a stop string."""
+        if self.stopped:
+            return self.text
+        held = max((k for s in self.stops for k in range(min(len(s) - 1, len(self.text)), 0, -1)
+                    if self.text.endswith(s[:k])), default=0)
+        return self.text[:len(self.text) - held]
+
+
 # --- GGUF -> tokenizer files ------------------------------------------------------------------
 
 # tokenizer.ggml.pre -> how text is split before byte-level BPE
