@@ -365,6 +365,7 @@ class Stats:
     batch_size: int = 1
     finish_reasons: list = field(default_factory=list)  # per row: "stop" | "length"
     logprobs: list = field(default_factory=list)  # per row, per token (see token_logprobs), when asked for
+    cached_tokens: Optional[int] = None  # one row: the tokens its cache holds (start_pos + prompt + fed output)
 
 
 class Generator(Protocol):
@@ -522,7 +523,8 @@ class Engine(Generator):
         stats = Stats(prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(len(r.out) for r in rows),
                       ttft_s=first - start, decode_s=end - first, token_times=[first] + times, batch_size=batch,
                       finish_reasons=[r.finish_reason for r in rows],
-                      logprobs=[r.token_logprobs for r in rows] if logprobs is not None else [])
+                      logprobs=[r.token_logprobs for r in rows] if logprobs is not None else [],
+                      cached_tokens=pos)
         return [r.out for r in rows], stats
 
     def metrics(self, stats: Stats) -> dict:
@@ -541,7 +543,8 @@ class Chat:
         self.cached: list = []  # token ids whose keys/values are in the cache, in order
         self.last_prompt_tokens = self.last_prefill_tokens = 0
 
-    def reply(self, text: str, max_new_tokens: int, sampling: Sampling, on_tokens=None) -> tuple:
+    def reply(self, text: str, max_new_tokens: int, sampling: Sampling, on_tokens=None, **options) -> tuple:
+        """The assistant's next turn; options go to the engine's generate (constraints, logprobs)."""
         self.messages.append({"role": "user", "content": text})
         ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(self.messages), add_bos=False)
         keep = reusable_prefix(self.cached, ids, self.engine.model.ring_window) if self.reuse_cache else 0
@@ -551,8 +554,9 @@ class Chat:
                             "start again with a larger --max_seq_length")
         self.last_prompt_tokens, self.last_prefill_tokens = len(ids), len(ids) - keep
         (out,), stats = self.engine.generate([ids[keep:]], min(max_new_tokens, room), sampling,
-                                             self.tokenizer.eos_ids, start_pos=keep, on_tokens=on_tokens)
-        self.cached = (ids + out)[:-1]  # the last sampled token was never fed through the model
+                                             self.tokenizer.eos_ids, start_pos=keep, on_tokens=on_tokens, **options)
+        # the last sampled token (and any a grammar forced after it) never went through the model
+        self.cached = (ids + out)[:stats.cached_tokens if stats.cached_tokens is not None else -1]
         reply_ids = out[:-1] if out and out[-1] in self.tokenizer.eos_ids else out
         self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply_ids)})
         return out, stats

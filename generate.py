@@ -4,6 +4,7 @@
     python generate.py --checkpoint checkpoints/smollm2-135m --chat --prompt "What is a KV cache?"
     python generate.py --checkpoint checkpoints/smollm2-135m --interactive
     python generate.py --checkpoint checkpoints/smollm2-135m --ngram 3 --chat --prompt "..."
+    python generate.py --checkpoint checkpoints/smollm2-135m --chat --prompt "A person as JSON" --json_schema person.json
     torchrun --nproc_per_node=2 generate.py --checkpoint checkpoints/smollm2-135m --prompt "..."
 
 Generated text goes to stdout; logs and metrics go to stderr.
@@ -19,11 +20,12 @@ import torch
 import speculative
 import checkpoint
 from checkpoint import write_json
-from engine import (ONE_SEQUENCE, Chat, Engine, Generator, Sampling, load_model, log, parse_device,
-                    parse_dtype)
+from engine import (MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Sampling, check_sampling, load_model, log,
+                    parse_device, parse_dtype)
 from errors import UserError, run_cli
+from grammar import Grammars
 from model import param_bytes
-from tokenizer import StreamDecoder, Tokenizer
+from tokenizer import StopStrings, Tokenizer
 from tp import init_from_env
 
 
@@ -60,21 +62,44 @@ def compare_with_plain(spec: speculative.SpeculativeEngine, prompts: list, max_n
     return result
 
 
-class StdoutStream:
-    """Prints one row's tokens as text as they arrive (multi-byte characters held until whole)."""
+class TextRows:
+    """Each row's text as its tokens arrive, cut at a stop string (on_tokens for Engine.generate:
+    returns the rows a stop string ended); a single row is printed as it comes."""
 
-    def __init__(self, tokenizer: Tokenizer, stop_ids):
-        self.decoder, self.stop = StreamDecoder(tokenizer), set(stop_ids)
+    def __init__(self, tokenizer: Tokenizer, rows: int, stop_ids, stop_strings=(), print_row: bool = False):
+        self.rows = [StopStrings(tokenizer, stop_strings) for _ in range(rows)]
+        self.stop_ids, self.print_row, self.printed = set(stop_ids), print_row, 0
 
-    def __call__(self, ids):
-        token = ids[0]
-        if token is not None and token not in self.stop:
-            sys.stdout.write(self.decoder.push(token))
+    def __call__(self, ids) -> list:
+        ended = [b for b, token in enumerate(ids)
+                 if token is not None and token not in self.stop_ids and self.rows[b].push(token)]
+        if self.print_row:
+            self.write(self.rows[0].ready())
+        return ended
+
+    def write(self, text: str):
+        if len(text) > self.printed:
+            sys.stdout.write(text[self.printed:])
             sys.stdout.flush()
+            self.printed = len(text)
 
-    def close(self):
-        sys.stdout.write(self.decoder.flush() + "\n")
-        sys.stdout.flush()
+    def finish(self) -> list:
+        texts = [r.finish() for r in self.rows]
+        if self.print_row:
+            self.write(texts[0])
+            sys.stdout.write("\n")
+        else:
+            for text in texts:
+                print(text, flush=True)
+        return texts
+
+
+def print_logprobs(tok: Tokenizer, logprobs: list):
+    """Each generated token with its logprob and the most likely alternatives (stderr)."""
+    for row, entries in enumerate(logprobs):
+        log(f"logprobs of row {row}:" if len(logprobs) > 1 else "logprobs:")
+        for chosen, top in entries:
+            log(f"  {chosen:9.4f}  " + "  ".join(f"{tok.decode([t])!r} {lp:.4f}" for t, lp in top))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +115,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=None)
     p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--min_p", type=float, default=0.0, help="drop tokens less likely than this x the most likely")
+    p.add_argument("--repetition_penalty", type=float, default=1.0,
+                   help="divide a positive logit (multiply a negative one) of every token already in the prompt "
+                        "or output by this (1: off)")
+    p.add_argument("--presence_penalty", type=float, default=0.0,
+                   help="subtract this from the logit of a token already in the output (OpenAI's; -2..2)")
+    p.add_argument("--frequency_penalty", type=float, default=0.0,
+                   help="subtract this times its count in the output from a token's logit (OpenAI's; -2..2)")
+    p.add_argument("--logit_bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit; repeat for several tokens")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the output where this text appears (not printed); repeat for several")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help=f"print each token's log-probability and the N (0-{MAX_LOGPROBS}) most likely ones to stderr")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    constrain = p.add_mutually_exclusive_group()
+    constrain.add_argument("--json", action="store_true", help="the output is a JSON object")
+    constrain.add_argument("--json_schema", type=Path, default=None, metavar="FILE",
+                           help="the output is JSON that matches the JSON schema in FILE")
+    constrain.add_argument("--regex", default=None, metavar="PATTERN", help="the output matches this regex")
+    constrain.add_argument("--grammar", type=Path, default=None, metavar="FILE",
+                           help="the output matches the grammar in FILE (llguidance's Lark syntax)")
+    p.add_argument("--jump_forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="feed the tokens a grammar forces as one chunk, not one decode step each (default: on)")
     p.add_argument("--num_samples", type=int, default=1, help="generate this many times")
     p.add_argument("--batch_size", type=int, default=1, help="copies of a single prompt to decode together")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -138,10 +186,8 @@ def check_args(args):
             raise UserError(f"--{name} must be at least 1")
     if args.temperature < 0:
         raise UserError("--temperature must be >= 0")
-    if args.top_k is not None and args.top_k < 1:
-        raise UserError("--top_k must be at least 1")
-    if not 0 < args.top_p <= 1:
-        raise UserError("--top_p must be in (0, 1]")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        raise UserError(f"--logprobs must be in [0, {MAX_LOGPROBS}]")
     if args.max_seq_length is not None and args.max_seq_length < 2:
         raise UserError("--max_seq_length must be at least 2")
     if args.prompt and len(args.prompt) > 1 and args.batch_size > 1:
@@ -156,6 +202,41 @@ def check_args(args):
         raise UserError("--draft_dtype needs --draft_checkpoint")
     if (args.draft_checkpoint or args.ngram) and (args.batch_size > 1 or (args.prompt and len(args.prompt) > 1)):
         raise UserError(ONE_SEQUENCE)
+
+
+def parse_sampling(args) -> Sampling:
+    bias = []
+    for item in args.logit_bias:
+        token, sep, value = item.partition("=")
+        try:
+            bias.append((int(token), float(value)))
+        except ValueError:
+            raise UserError(f"--logit_bias {item!r}: expected ID=BIAS, e.g. 28=-100") from None
+    return Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
+                    args.presence_penalty, args.frequency_penalty, tuple(bias))
+
+
+def read_constraint(args, tok: Tokenizer, vocab_size: int):
+    """The compiled grammar the flags ask for, and its Grammars (None, None without one)."""
+    if args.json:
+        kind, spec = "json_object", None
+    elif args.json_schema:
+        kind, spec = "json_schema", read_text(args.json_schema, "--json_schema")
+    elif args.regex is not None:
+        kind, spec = "regex", args.regex
+    elif args.grammar:
+        kind, spec = "grammar", read_text(args.grammar, "--grammar")
+    else:
+        return None, None
+    grammars = Grammars(args.checkpoint, vocab_size, tok.eos_ids)
+    return grammars, grammars.compile(kind, spec)
+
+
+def read_text(path: Path, flag: str) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag}: cannot read {path} ({e.strerror if isinstance(e, OSError) else e})") from None
 
 
 def encode_prompts(tok: Tokenizer, args) -> list:
@@ -176,7 +257,20 @@ def encode_prompts(tok: Tokenizer, args) -> list:
     return prompts
 
 
-def run_interactive(engine: Generator, tok: Tokenizer, args, sampling: Sampling) -> list:
+def report(tok: Tokenizer, stats, constrained: bool):
+    """After the text: logprobs, and an error (exit 1) for output that is not a complete match of
+    the grammar because --max_new_tokens ran out."""
+    if stats.logprobs:
+        print_logprobs(tok, stats.logprobs)
+    for row, reason in enumerate(stats.finish_reasons):
+        if reason == "error":
+            raise UserError(f"row {row}: the grammar rejected the output")
+        if constrained and reason == "length":
+            raise UserError(f"row {row}: --max_new_tokens ran out before the output completed the "
+                            "grammar (the output above is incomplete)")
+
+
+def run_interactive(engine: Generator, tok: Tokenizer, args, sampling: Sampling, options) -> list:
     chat = Chat(engine, tok, system=args.system)
     log("interactive chat: type a message, an empty line or Ctrl-D ends")
     all_metrics = []
@@ -186,9 +280,11 @@ def run_interactive(engine: Generator, tok: Tokenizer, args, sampling: Sampling)
         line = sys.stdin.readline()
         if not line.strip():
             break
-        stream = StdoutStream(tok, tok.eos_ids)
-        _, stats = chat.reply(line.rstrip("\n"), args.max_new_tokens, sampling, on_tokens=stream)
-        stream.close()
+        stream = TextRows(tok, 1, tok.eos_ids, args.stop, print_row=True)
+        turn = options(1)
+        _, stats = chat.reply(line.rstrip("\n"), args.max_new_tokens, sampling, on_tokens=stream, **turn)
+        stream.finish()
+        report(tok, stats, turn["constraints"] is not None)
         metrics = engine.metrics(stats)
         metrics["conversation_tokens"], metrics["prefilled_tokens"] = chat.last_prompt_tokens, chat.last_prefill_tokens
         print_metrics(metrics)
@@ -237,35 +333,43 @@ def main(argv=None):
         torch.manual_seed(seed)
     checkpoint.require_dir(args.checkpoint)
     tok = Tokenizer(args.checkpoint)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    sampling = parse_sampling(args)
+    vocab_size = checkpoint.read_config(args.checkpoint).vocab_size
+    check_sampling(sampling, vocab_size)
+    grammars, grammar = read_constraint(args, tok, vocab_size)  # a bad schema fails before the weights load
     prompts = None if args.interactive else encode_prompts(tok, args)  # check lengths before loading weights
     if args.draft_checkpoint:
         speculative.check_same_tokenizer(args.checkpoint, args.draft_checkpoint)
     engine = build_engine(args, tp, device, dtype, draft_dtype)
+    engine.jump_forward = args.jump_forward
     stop_ids = [] if args.ignore_eos else sorted(set(engine.model.args.eos_token_ids) | set(tok.eos_ids))
 
+    def options(rows: int) -> dict:
+        """Engine.generate's per-call options: a fresh constraint per row, logprobs."""
+        return {"constraints": [grammars.constraint(grammar) for _ in range(rows)] if grammar else None,
+                "logprobs": args.logprobs}
+
+    host = bool(grammar) or sampling.adjusts or args.logprobs is not None  # the compiled step returns logits
     if args.interactive:
         engine.setup(1, args.max_seq_length or 4096)
-        engine.warm_up([[0]], sampling)
-        all_metrics = run_interactive(engine, tok, args, sampling)
+        engine.warm_up([[0]], sampling, host=host)
+        all_metrics = run_interactive(engine, tok, args, sampling, options)
     else:
         longest = max(len(p) for p in prompts)
         # round up so that nearby lengths share one compiled graph; a verify writes k slots past the last token
         spare = args.speculate_k if isinstance(engine, speculative.SpeculativeEngine) else 0
         engine.setup(len(prompts), args.max_seq_length or -(-(longest + args.max_new_tokens + spare) // 256) * 256)
-        engine.warm_up(prompts, sampling)
+        engine.warm_up(prompts, sampling, host=host)
         all_metrics = []
         for i in range(args.num_samples):
             profiling = args.profile is not None and i == args.num_samples - 1 and (tp is None or tp.rank == 0)
             profiler = torch.profiler.profile() if profiling else contextlib.nullcontext()
-            stream = StdoutStream(tok, stop_ids) if len(prompts) == 1 else None
+            text = TextRows(tok, len(prompts), stop_ids, args.stop, print_row=len(prompts) == 1)
             with profiler:
-                outputs, stats = engine.generate(prompts, args.max_new_tokens, sampling, stop_ids, on_tokens=stream)
-            if stream:
-                stream.close()
-            else:
-                for out in outputs:
-                    print(tok.decode([t for t in out if t not in stop_ids]), flush=True)
+                outputs, stats = engine.generate(prompts, args.max_new_tokens, sampling, stop_ids, on_tokens=text,
+                                                 **options(len(prompts)))
+            text.finish()
+            report(tok, stats, grammar is not None)
             if profiling:
                 profiler.export_chrome_trace(str(args.profile))
                 log(f"wrote profiler trace to {args.profile}")

@@ -30,8 +30,11 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 def one_line(message: str) -> str:
-    """llguidance reports errors over several lines (with a caret under the spot): keep the first."""
-    return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    """llguidance reports errors over several lines (the source, a caret under the spot): keep
+    the first and the ones that say what is wrong."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    said = [line.removeprefix("error: ") for line in lines[1:] if line.startswith("error:")]
+    return " ".join(lines[:1] + said) or "invalid grammar"
 
 
 class Grammars:
