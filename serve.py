@@ -5,7 +5,15 @@
 
 The official `openai` client works against it (base_url="http://127.0.0.1:8000/v1"):
 /v1/completions and /v1/chat/completions, streamed (server-sent events) or not, /v1/models,
-/health, and /metrics in Prometheus text.
+/health, and /metrics in Prometheus text. Sampling takes OpenAI's and vLLM's controls (penalties,
+logit_bias, min_p, top_k, seed) and returns logprobs.
+
+Structured output (grammar.py, llguidance): `response_format` json_object or json_schema (so
+`client.chat.completions.parse(response_format=PydanticModel)` works), or the extra body fields
+`regex` or `grammar` (llguidance's Lark; vLLM's `guided_regex`, `guided_grammar`, `guided_json` too).
+Tools: with `tool_choice` "required" or naming a function, the output is constrained to a call
+(its `parameters` schema) and comes back as `tool_calls`; with "auto" or "none" the tools are
+ignored and the reply is plain text (no tool call is detected in free text).
 
 The main thread owns the model and calls BatchEngine.step() while there is work. The HTTP side
 (Starlette on uvicorn's asyncio loop, in a thread of its own) checks each request, submits it,
@@ -31,28 +39,36 @@ from typing import Callable, Optional
 import torch
 
 import checkpoint
-from engine import (BatchEngine, QueueFull, Request, Sampling, StepPlan, bucket, decode_logits, load_model, log,
-                    parse_device, parse_dtype)
+from engine import (MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan, bucket, check_sampling,
+                    decode_logits, load_model, log, parse_device, parse_dtype)
 from errors import UserError, run_cli
+from grammar import Grammars
 from model import param_bytes
-from tokenizer import StreamDecoder, Tokenizer
+from tokenizer import StopStrings, Tokenizer
 from tp import init_from_env
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_N = 16
-FIELDS = {  # accepted fields -> value kinds; "neutral" fields accept only the value that changes nothing
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI allows (chat: `top_logprobs` up to MAX_LOGPROBS)
+FIELDS = {  # accepted fields -> value kinds (a type is checked here; the others where they are read)
     "model": str, "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
     "stop": "stop", "n": int, "stream": bool, "stream_options": dict, "ignore_eos": bool, "user": str,
+    "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float, "min_p": float,
+    "logit_bias": dict, "response_format": dict, "regex": str, "grammar": str,
+    "guided_regex": str, "guided_grammar": str, "guided_json": "schema",
 }
-NEUTRAL = {  # not supported yet: accepted at the value that means "off", a 400 otherwise
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_p": (0, 0.0),
-    "logit_bias": ({},), "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "echo": (False,),
-    "suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"),
-    "parallel_tool_calls": (True, False), "store": (False,), "metadata": ({},), "service_tier": ("auto", "default"),
+NEUTRAL = {  # not supported: accepted at the value that means "off", a 400 otherwise
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,), "tools": ([],),
+    "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "store": (False,), "metadata": ({},),
+    "service_tier": ("auto", "default"),
 }
-COMPLETION_FIELDS = {"prompt"}
-CHAT_FIELDS = {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = {"prompt", "logprobs"}
+CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
 ROLES = ("system", "user", "assistant")
+SAMPLING_FIELDS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
+# extra body fields that constrain the output -> grammar.py's kind of their value (one constraint per request)
+CONSTRAINT_FIELDS = {"regex": "regex", "grammar": "grammar", "guided_regex": "regex", "guided_grammar": "grammar",
+                     "guided_json": "json_schema"}
 
 
 class APIError(Exception):
@@ -69,10 +85,13 @@ class APIError(Exception):
 
 # ---------------------------------------------------------------- request checking
 
-KIND_NAMES = {float: "a number", int: "an integer", bool: "a boolean", str: "a string", dict: "an object"}
+KIND_NAMES = {float: "a number", int: "an integer", bool: "a boolean", str: "a string", dict: "an object",
+              list: "a list"}
 
 
 def check_value(name: str, value, kind):
+    if not isinstance(kind, type):  # checked where it is read
+        return
     ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
     if not ok or (kind in (int, float) and isinstance(value, bool)):
         raise APIError(400, f"`{name}` must be {KIND_NAMES[kind]}", name)
@@ -87,6 +106,43 @@ def parse_stop(value) -> list:
     return stops
 
 
+def call_schema(functions: dict) -> dict:
+    """The JSON schema of a call to one of `functions` (name -> parameters' schema):
+    {"name": <its name>, "arguments": <its parameters>}."""
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": name},
+                                                         "arguments": rebase_refs(parameters,
+                                                                                  f"#/anyOf/{i}/properties/arguments")},
+                       "required": ["name", "arguments"], "additionalProperties": False}
+                      for i, (name, parameters) in enumerate(functions.items())]}
+
+
+def rebase_refs(schema, root: str):
+    """A copy of `schema` for the place `root` (a JSON pointer) of another schema: its local $refs
+    ("#/$defs/Item", as pydantic writes them) still point into it."""
+    if isinstance(schema, dict):
+        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rebase_refs(v, root)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [rebase_refs(v, root) for v in schema]
+    return schema
+
+
+def tool_calls(params: "Params", text: str) -> Optional[list]:
+    """A reply's `tool_calls` from the call's generated JSON; None if it is not a whole call."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if params.tool_name is not None:
+        name, arguments = params.tool_name, text
+    elif isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
+        name, arguments = value["name"], json.dumps(value["arguments"], ensure_ascii=False)
+    else:
+        return None
+    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+             "function": {"name": name, "arguments": arguments}}]
+
+
 @dataclass
 class Params:
     """A checked request: its prompt token ids and generation settings."""
@@ -99,13 +155,21 @@ class Params:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    logprobs: Optional[int] = None  # each token's logprob and this many top ones; None: off
+    grammar: Optional[str] = None  # compiled (grammar.Grammars.compile): every choice's output matches it
+    tool_call: bool = False  # the output is a function call, returned as `tool_calls`
+    tool_name: Optional[str] = None  # ... of this function (the output is its arguments); None: the output
+                                     # is {"name": ..., "arguments": ...} (tool_choice "required")
 
 
 class Server:
-    def __init__(self, engine: BatchEngine, tokenizer: Tokenizer, model_name: str, api_key: Optional[str] = None):
+    def __init__(self, engine: BatchEngine, tokenizer: Tokenizer, model_name: str, api_key: Optional[str] = None,
+                 checkpoint_dir: Optional[Path] = None):
         from prometheus_client import CollectorRegistry, Histogram
 
         self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
+        self.checkpoint_dir, self._grammars = checkpoint_dir, None
+        self.token_texts: dict = {}  # token id -> its text decoded alone (logprobs)
         self.created = int(time.time())
         self.stop_ids = frozenset(engine.model.args.eos_token_ids) | frozenset(tokenizer.eos_ids)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -173,7 +237,7 @@ class Server:
                     raise APIError(400, f"`{name}` is not supported by this server", name, "unsupported_parameter")
             elif name not in FIELDS:
                 raise APIError(400, f"unknown field `{name}`", name, "unsupported_parameter")
-            elif value is not None and FIELDS[name] != "stop":
+            elif value is not None:
                 check_value(name, value, FIELDS[name])
         model = body.get("model")
         if model is not None and model != self.model_name:
@@ -210,10 +274,129 @@ class Server:
         options = body.get("stream_options") or {}
         if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
             raise APIError(400, "`stream_options` takes only `include_usage` (a boolean)", "stream_options")
-        return Params(prompt=prompt, max_tokens=max_tokens, sampling=Sampling(temperature, top_k, top_p), n=n,
-                      seed=body.get("seed"), stop=parse_stop(body["stop"]) if body.get("stop") is not None else [],
+        sampling, logprobs = self.parse_sampling(body, temperature, top_k, top_p), self.parse_logprobs(body, chat)
+        grammar, tool_call, tool_name = self.parse_constraint(body, chat)  # last: it compiles
+        return Params(prompt=prompt, max_tokens=max_tokens, sampling=sampling, n=n, seed=body.get("seed"),
+                      stop=parse_stop(body["stop"]) if body.get("stop") is not None else [],
                       stream=bool(body.get("stream")), include_usage=bool(options.get("include_usage")),
-                      ignore_eos=bool(body.get("ignore_eos")))
+                      ignore_eos=bool(body.get("ignore_eos")), logprobs=logprobs, grammar=grammar,
+                      tool_call=tool_call, tool_name=tool_name)
+
+    def parse_sampling(self, body: dict, temperature: float, top_k: Optional[int], top_p: float) -> Sampling:
+        bias = []
+        for key, value in (body.get("logit_bias") or {}).items():  # OpenAI's {"token id": bias}
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"`logit_bias` keys must be token ids (got {key!r})", "logit_bias") from None
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise APIError(400, f"`logit_bias` values must be numbers (token {key}: {value!r})", "logit_bias")
+            bias.append((token, float(value)))
+        given = {name: float(body[name]) for name in SAMPLING_FIELDS[:4] if body.get(name) is not None}
+        sampling = Sampling(temperature, top_k, top_p, logit_bias=tuple(sorted(bias)), **given)
+        try:
+            check_sampling(sampling, self.engine.model.args.vocab_size)
+        except UserError as e:
+            raise APIError(400, str(e), next((f for f in SAMPLING_FIELDS if str(e).startswith(f)), None)) from None
+        return sampling
+
+    def parse_logprobs(self, body: dict, chat: bool) -> Optional[int]:
+        """How many top tokens to return with each token's logprob; None: no logprobs. Chat asks with
+        `logprobs: true` and `top_logprobs` (0-20), completions with `logprobs` (0-5)."""
+        value = body.get("logprobs")
+        if not chat:
+            if value is None or value is False:
+                return None
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COMPLETION_LOGPROBS:
+                raise APIError(400, f"`logprobs` must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
+            return value
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, "`logprobs` must be a boolean (the number of top tokens goes in `top_logprobs`)",
+                           "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS):
+            raise APIError(400, f"`top_logprobs` must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        if top and not value:
+            raise APIError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs")
+        return (top or 0) if value else None
+
+    def parse_constraint(self, body: dict, chat: bool) -> tuple:
+        """(the compiled grammar every choice must match or None, whether the output is a tool call,
+        the called function's name or None)."""
+        found = []  # (the field, grammar.py's kind, its spec)
+        form = body.get("response_format")
+        if form is not None:
+            kind = form.get("type")
+            if kind == "json_object":
+                found.append(("response_format", "json_object", None))
+            elif kind == "json_schema":
+                spec = form.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise APIError(400, "`response_format` of type json_schema needs "
+                                        '`"json_schema": {"name": ..., "schema": {...}}`', "response_format")
+                found.append(("response_format", "json_schema", spec["schema"]))
+            elif kind != "text":
+                raise APIError(400, f"`response_format` type must be text, json_object or json_schema (got {kind!r})",
+                               "response_format")
+        found += [(name, kind, body[name]) for name, kind in CONSTRAINT_FIELDS.items() if body.get(name) is not None]
+        tool = self.parse_tools(body) if chat else None
+        if tool is not None:
+            found.append(("tool_choice", "json_schema", tool[0]))
+        if len(found) > 1:
+            raise APIError(400, f"one constraint per request: `{found[0][0]}` and `{found[1][0]}` both constrain "
+                                "the output", found[1][0])
+        if not found:
+            return None, False, None
+        name, kind, spec = found[0]
+        try:
+            grammar = self.grammars().compile(kind, spec)
+        except UserError as e:
+            raise APIError(400, str(e), "tools" if name == "tool_choice" else name) from None
+        return grammar, tool is not None, tool[1] if tool is not None else None
+
+    def parse_tools(self, body: dict) -> Optional[tuple]:
+        """(the JSON schema of the call, the function's name or None when the output names it) under
+        `tool_choice` "required" or a named function; None when the output is free text."""
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        functions = {}  # name -> its parameters' JSON schema
+        if tools is not None and not isinstance(tools, list):
+            raise APIError(400, '`tools` must be a list of {"type": "function", "function": {...}}', "tools")
+        for i, tool in enumerate(tools or []):
+            f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+                raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                                    f'"parameters": {{...}}}}}}', "tools")
+            parameters = f.get("parameters")
+            if parameters is None:  # a function without arguments
+                parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+            if not isinstance(parameters, dict):
+                raise APIError(400, f"tools[{i}]: `parameters` must be a JSON schema object", "tools")
+            if f["name"] in functions:
+                raise APIError(400, f"tools[{i}]: two functions are named {f['name']!r}", "tools")
+            functions[f["name"]] = parameters
+        if choice is None or choice in ("none", "auto"):  # "auto": no tool call is detected in free text
+            return None
+        if choice == "required":
+            if not functions:
+                raise APIError(400, '`tool_choice` "required" needs `tools`', "tool_choice")
+            return call_schema(functions), None
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")
+            if not isinstance(name, str) or name not in functions:
+                raise APIError(400, f"`tool_choice` names the function {name!r}, which is not in `tools`",
+                               "tool_choice")
+            return functions[name], name
+        raise APIError(400, '`tool_choice` must be "none", "auto", "required" or '
+                            '{"type": "function", "function": {"name": ...}}', "tool_choice")
+
+    def grammars(self) -> Grammars:
+        """The model's grammar.Grammars, built on first use: a checkpoint without tokenizer.json
+        serves every request but constrained ones (UserError)."""
+        if self._grammars is None:
+            if self.checkpoint_dir is None:
+                raise UserError("constrained decoding needs the server's checkpoint directory")
+            self._grammars = Grammars(self.checkpoint_dir, self.engine.model.args.vocab_size, sorted(self.stop_ids))
+        return self._grammars
 
     def completion_prompt(self, body: dict) -> list:
         prompt = body.get("prompt")
@@ -264,9 +447,16 @@ class Server:
         for i in range(params.n):
             choice = Choice(i, params, self, queue)
             seed = None if params.seed is None else params.seed + i
+            constraint = None
+            if params.grammar is not None:
+                try:
+                    constraint = self.grammars().constraint(params.grammar)  # a matcher of its own
+                except UserError as e:
+                    raise APIError(400, str(e)) from None
             choice.request = Request(list(params.prompt), params.max_tokens, params.sampling, seed=seed,
                                      stop_ids=frozenset() if params.ignore_eos else self.stop_ids,
-                                     on_token=choice.on_token, on_finish=choice.on_finish)
+                                     on_token=choice.on_token, on_finish=choice.on_finish, constraint=constraint,
+                                     logprobs=params.logprobs)
             choices.append(choice)
         submitted = []
         try:
@@ -289,17 +479,30 @@ class Server:
         self.loop.call_soon_threadsafe(queue.put_nowait, event)
 
 
+@dataclass
+class TokenLogprob:
+    """An output token's logprobs (engine.token_logprobs) and where its text lies in the choice's text."""
+    token: int
+    logprob: float
+    top: list  # [(token id, logprob)], the most likely first
+    start: int
+    end: int
+
+
 class Choice:
-    """One of a request's n sequences: its text so far, with stop strings held back until they
-    can no longer match, fed by the engine loop's callbacks."""
+    """One of a request's n sequences, fed by the engine loop's callbacks: its text so far (stop
+    strings held back until they can no longer match), and its tokens' logprobs, which go out
+    with the text they make."""
 
     def __init__(self, index: int, params: Params, server: Server, queue: asyncio.Queue):
         self.index, self.params, self.server, self.queue = index, params, server, queue
-        self.decoder = StreamDecoder(server.tokenizer)
-        self.text, self.sent = "", 0  # decoded text (stop string cut off), and how much of it went out
+        self.stops = StopStrings(server.tokenizer, params.stop)
+        self.sent = 0  # characters of the text sent
         self.request: Optional[Request] = None
         self.arrival, self.last = time.perf_counter(), None
-        self.stopped = False  # a stop string ended it
+        self.tokens: list = []  # TokenLogprob of each output token, with logprobs on
+        self.emitted = 0  # of self.tokens, sent
+        self.sampled = 0  # of request.token_logprobs, read
 
     def on_token(self, req: Request, token: int) -> bool:
         now = time.perf_counter()
@@ -308,35 +511,38 @@ class Choice:
         else:
             self.server.itl.observe(now - self.last)
         self.last = now
+        entry = None
+        if self.sampled < len(req.token_logprobs):  # the engine recorded the sampled token's logprobs
+            entry = req.token_logprobs[self.sampled]
+            self.sampled += 1
         if token in req.stop_ids:
             return False
-        self.text += self.decoder.push(token)
-        stops = self.params.stop
-        if stops:
-            start = max(0, self.sent - max(len(s) for s in stops))
-            hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
-            if hits:
-                self.text, self.stopped = self.text[:min(hits)], True
-                return True
-        self.send(self.text[:len(self.text) - held_back(self.text, stops)])
+        start = len(self.stops.text)
+        stopped = self.stops.push(token)
+        if entry is not None and (not stopped or start < len(self.stops.text)):  # its text is in the output
+            self.tokens.append(TokenLogprob(token, entry[0], entry[1], start, len(self.stops.text)))
+        if stopped:
+            return True
+        self.send(self.stops.ready())
         return False
 
     def on_finish(self, req: Request):
-        if not self.stopped and req.finish_reason in ("stop", "length"):
-            self.text += self.decoder.flush()
-        self.send(self.text)
+        final = req.finish_reason in ("stop", "length")
+        self.send(self.stops.finish() if final else self.stops.ready(), final=True)
         self.server.post(self.queue, ("finish", self.index, req.finish_reason, req.error))
 
-    def send(self, upto: str):
-        if len(upto) > self.sent:
-            self.server.post(self.queue, ("text", self.index, upto[self.sent:]))
-            self.sent = len(upto)
-
-
-def held_back(text: str, stops: list) -> int:
-    """Length of the longest end of `text` that begins a stop string: not sent until it is known
-    whether the stop string follows."""
-    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
+    def send(self, upto: str, final: bool = False):
+        """Send the text up to `upto` that has not gone out, with the logprobs of the tokens whose
+        text it completes (at the end: of every token whose text is in the output)."""
+        if len(upto) <= self.sent and not final:
+            return
+        i = self.emitted
+        while i < len(self.tokens) and (self.tokens[i].end <= len(upto) or final and self.tokens[i].start < len(upto)):
+            i += 1
+        entries, self.emitted = self.tokens[self.emitted:i], i
+        if len(upto) > self.sent or entries:
+            self.server.post(self.queue, ("text", self.index, upto[self.sent:], entries))
+            self.sent = max(self.sent, len(upto))
 
 
 class EngineCollector:
@@ -371,6 +577,39 @@ def usage(params: Params, choices: list) -> dict:
             "prompt_tokens_details": {"cached_tokens": choices[0].request.cached_tokens}}
 
 
+def logprobs_body(server: Server, entries: list, chat: bool) -> dict:
+    """OpenAI's logprobs of a choice (or of a chunk's tokens): chat's {"content": [...]}, or the
+    legacy completions' parallel lists, whose top_logprobs include the chosen token."""
+    def text(token: int) -> str:  # decoded alone, as OpenAI's `token`
+        if token not in server.token_texts:
+            server.token_texts[token] = server.tokenizer.decode([token])
+        return server.token_texts[token]
+
+    def one(token: int, logprob: float) -> dict:
+        s = text(token)
+        return {"token": s, "logprob": max(logprob, -9999.0), "bytes": list(s.encode())}  # JSON has no -inf
+
+    def top(e: TokenLogprob) -> dict:
+        tops = {text(t): max(lp, -9999.0) for t, lp in e.top}
+        tops.setdefault(text(e.token), max(e.logprob, -9999.0))  # the chosen token, as OpenAI adds it
+        return tops
+
+    if chat:
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+    return {"tokens": [text(e.token) for e in entries], "token_logprobs": [max(e.logprob, -9999.0) for e in entries],
+            "top_logprobs": [top(e) for e in entries], "text_offset": [e.start for e in entries]}
+
+
+def reply(params: Params, text: str, reason: str) -> tuple:
+    """A chat choice's message and finish_reason: a tool call's JSON becomes `tool_calls` (one cut off
+    by max_tokens stays text, with finish_reason "length")."""
+    calls = tool_calls(params, text) if params.tool_call and reason == "stop" else None
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": text}, reason
+
+
 def build_app(server: Server):
     from contextlib import asynccontextmanager
 
@@ -396,6 +635,7 @@ def build_app(server: Server):
             return StreamingResponse(stream(choices, queue, params, chat, base), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         texts, reasons = [""] * len(choices), [None] * len(choices)
+        entries = [[] for _ in choices]
         try:
             while None in reasons:
                 try:
@@ -406,6 +646,7 @@ def build_app(server: Server):
                     continue
                 if event[0] == "text":
                     texts[event[1]] += event[2]
+                    entries[event[1]] += event[3]
                 else:
                     _, i, reason, error = event
                     if reason == "error":
@@ -417,27 +658,33 @@ def build_app(server: Server):
             for c in choices:
                 if c.request.finish_reason is None:
                     server.engine.cancel(c.request)
-        if chat:
-            out = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
-        else:
-            out = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        out = []
+        for i, (text, reason) in enumerate(zip(texts, reasons)):
+            logprobs = None if params.logprobs is None else logprobs_body(server, entries[i], chat)
+            if chat:
+                message, reason = reply(params, text, reason)
+                out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
+            else:
+                out.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
         return JSONResponse({**base, "object": obj, "choices": out, "usage": usage(params, choices)})
 
     async def stream(choices, queue, params, chat, base):
         obj = "chat.completion.chunk" if chat else "text_completion"
         started = [False] * len(choices)
+        held = [["", []] for _ in choices]  # a tool call's text and logprobs: sent whole at its end
 
-        def chunk(i, text, reason=None):
+        def chunk(i, text, entries, reason=None, calls=None):
+            logprobs = logprobs_body(server, entries, chat) if params.logprobs is not None and entries else None
             if chat:
                 delta = {"content": text} if text else {}
+                if calls:
+                    delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
                 if not started[i]:
                     delta = {"role": "assistant", **delta}
                     started[i] = True
-                body = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+                body = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                body = {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
             extra = {"usage": None} if params.include_usage else {}
             return "data: " + json.dumps({**base, "object": obj, "choices": [body], **extra}) + "\n\n"
 
@@ -446,7 +693,12 @@ def build_app(server: Server):
             while left:
                 event = await queue.get()
                 if event[0] == "text":
-                    yield chunk(event[1], event[2])
+                    _, i, text, entries = event
+                    if params.tool_call:
+                        held[i][0] += text
+                        held[i][1] += entries
+                    else:
+                        yield chunk(i, text, entries)
                     continue
                 _, i, reason, error = event
                 left -= 1
@@ -458,7 +710,11 @@ def build_app(server: Server):
                     yield "data: " + json.dumps(APIError(503, "the server is shutting down",
                                                          kind="server_error").body()) + "\n\n"
                     continue
-                yield chunk(i, "", reason)
+                if params.tool_call:
+                    message, reason = reply(params, held[i][0], reason)
+                    yield chunk(i, held[i][0] if message["content"] else "", held[i][1],
+                                calls=message.get("tool_calls"))
+                yield chunk(i, "", [], reason)
             if params.include_usage:
                 yield "data: " + json.dumps({**base, "object": obj, "choices": [], "usage": usage(params, choices)}) + "\n\n"
             yield "data: [DONE]\n\n"
@@ -551,7 +807,11 @@ def preflight(config, args, device, dtype, world: int):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Serve a checkpoint over an OpenAI-compatible HTTP API, "
-                                            "with continuous batching and prefix reuse.")
+                                            "with continuous batching and prefix reuse.",
+                                epilog="Structured output: send response_format json_object or json_schema "
+                                       "(client.chat.completions.parse works), or the extra fields `regex` or "
+                                       "`grammar` (llguidance Lark); tools with tool_choice \"required\" or a named "
+                                       "function come back as tool_calls. Needs the checkpoint's tokenizer.json.")
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -653,7 +913,11 @@ def main(argv=None):
     import uvicorn
 
     name = args.model_name or Path(args.checkpoint).resolve().name
-    server = Server(engine, tokenizer, name, args.api_key)
+    server = Server(engine, tokenizer, name, args.api_key, args.checkpoint)
+    try:
+        server.grammars()  # now rather than in the first constrained request
+    except UserError as e:
+        log(f"constrained output is off: {e}")
     log(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch_size} slots x "
         f"{args.max_seq_length} tokens)")
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",

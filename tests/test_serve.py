@@ -197,7 +197,7 @@ def post(url, path, body, key=API_KEY, raw=None):
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 5000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "Hi", "temperature": 5}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "Hi", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),

@@ -1,0 +1,253 @@
+"""serve.py's structured output and sampling controls, through the official `openai` client:
+`.parse()` with a Pydantic model, json_object / json_schema / regex / grammar, tool calls (named
+and "required", streamed too), logprobs (chat, completions, streamed, under a grammar), penalties,
+logit_bias and min_p, the same constrained greedy text as the engine, and a 400 for each bad input."""
+import enum
+import json
+import re
+from typing import Annotated, Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from test_serve import API_KEY, post, start_server, stop_server
+
+MODEL = "smollm2-135m"
+ORDER_PROMPT = "An order: 2 apples and 1 pear, in red. Status open."
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+                                           "size": {"enum": ["small", "large"]}},
+          "required": ["city", "rank", "size"], "additionalProperties": False}
+SCHEMA_PROMPT = "Describe the biggest city of France as JSON."
+ITEM_DEFS = {"$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}}}
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                        "unit": {"$ref": "#/$defs/Unit"}},
+                       "required": ["city", "unit"], "additionalProperties": False, **ITEM_DEFS}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two numbers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                       "required": ["a", "b"], "additionalProperties": False}}},
+]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+class Color(str, enum.Enum):
+    red = "red"
+    blue = "blue"
+
+
+class Item(BaseModel):
+    name: Annotated[str, Field(max_length=8)]
+    qty: Annotated[int, Field(ge=0, le=9)]
+
+
+class Order(BaseModel):
+    items: Annotated[list[Item], Field(max_length=3)]
+    color: Color
+    status: Literal["open", "closed"]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    # no compiling: constrained, penalized and logprob requests sample on the host anyway
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 512, "--no-compile",
+                             "--dtype", "float32", "--device", "cpu")
+    yield url
+    assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from tokenizer import Tokenizer
+    return Tokenizer(smollm2_dir)
+
+
+def chat(client, content, temperature=0, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          temperature=temperature, **kw)
+
+
+def test_parse_pydantic_round_trip(client):
+    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": ORDER_PROMPT}],
+                                      temperature=0, max_tokens=80, response_format=Order)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Order) and choice.message.parsed.items
+    assert Order.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_object_schema_regex_grammar(client):
+    r = chat(client, 'Reply with a JSON object with one key "ok" and the value true.', max_tokens=30,
+             response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    r = chat(client, SCHEMA_PROMPT, max_tokens=40,
+             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = chat(client, "Give me a phone number.", max_tokens=20, extra_body={"regex": r"[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].message.content) and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue?", max_tokens=10, temperature=0,
+                                  extra_body={"grammar": 'start: "The answer is " ("yes" | "no") "."'})
+    assert re.fullmatch(r"The answer is (yes|no)\.", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    # vLLM's name, with n: every choice has a matcher of its own
+    r = chat(client, SCHEMA_PROMPT, max_tokens=40, n=2, temperature=1.0, seed=3, extra_body={"guided_json": SCHEMA})
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+
+
+def check_call(call, name=None):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert name is None or call.function.name == name
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_tool_calls_named_and_required(client):
+    named = {"type": "function", "function": {"name": "add"}}
+    r = chat(client, "What is 2 + 3?", max_tokens=30, tools=TOOLS, tool_choice=named)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    check_call(r.choices[0].message.tool_calls[0], "add")
+    r = chat(client, "What is the weather in Paris?", max_tokens=40, tools=TOOLS, tool_choice="required")
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+    check_call(r.choices[0].message.tool_calls[0])
+    chunks = list(chat(client, "What is 2 + 3?", max_tokens=30, tools=TOOLS, tool_choice=named, stream=True))
+    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].index == 0 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(chunk.choices[0].delta.content for chunk in chunks)
+    check_call(calls[0], "add")
+    r = chat(client, "What is 2 + 3?", max_tokens=8, tools=TOOLS, tool_choice="auto")  # tools ignored: text
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+def test_constrained_greedy_matches_engine(client, smollm2_dir, tokenizer):
+    """The server's greedy JSON for a schema is the engine's (Engine.generate with the same constraint)."""
+    from engine import Engine, Sampling, load_model
+    from grammar import Grammars
+
+    r = chat(client, SCHEMA_PROMPT, max_tokens=40,
+             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    model = load_model(smollm2_dir)
+    engine = Engine(model)
+    engine.setup(1, 512)
+    grammars = Grammars(smollm2_dir, model.args.vocab_size, tokenizer.eos_ids)
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": SCHEMA_PROMPT}]), add_bos=False)
+    (out,), stats = engine.generate([ids], 40, Sampling(), tokenizer.eos_ids,
+                                    constraints=[grammars.constraint(grammars.compile("json_schema", SCHEMA))])
+    assert stats.finish_reasons == ["stop"]
+    assert r.choices[0].message.content == tokenizer.decode([t for t in out if t not in tokenizer.eos_ids])
+
+
+def test_penalties_logit_bias_min_p(client, tokenizer):
+    def complete(prompt="Repeat after me: go go go go go go", temperature=0, extra=None, **kw):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=temperature,
+                                         extra_body={"ignore_eos": True, **(extra or {})}, **kw).choices[0].text
+
+    plain = complete()
+    assert plain.split() == ["go"] * 8  # greedy repeats the prompt's word
+    for kw in ({"presence_penalty": 2}, {"frequency_penalty": 2}, {"extra": {"repetition_penalty": 1.5}}):
+        assert complete(**kw).split().count("go") < 4, kw
+    cat = tokenizer.encode(" cat", add_bos=False)
+    assert len(cat) == 1
+    assert complete(logit_bias={str(cat[0]): 100}) == " cat" * 8
+    first = tokenizer.encode(plain, add_bos=False)[0]
+    assert tokenizer.encode(complete(logit_bias={str(first): -100}), add_bos=False)[0] != first
+    # min_p 1 keeps only the most likely token: sampling hot gives the greedy text
+    prompt = "The capital of France is"
+    assert complete(prompt, temperature=1.5, seed=5, extra={"min_p": 1.0}) == complete(prompt)
+
+
+def test_logprobs(client):
+    r = chat(client, "What is the capital of France?", max_tokens=8, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")  # not the EOS
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        tops = [x.logprob for x in t.top_logprobs]
+        assert t.logprob <= 0 and len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert t.token == t.top_logprobs[0].token and t.logprob == pytest.approx(tops[0])  # greedy: the top one
+        assert bytes(t.bytes).decode() == t.token
+    chunks = list(chat(client, "What is the capital of France?", max_tokens=8, logprobs=True, top_logprobs=3,
+                       stream=True))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    # the same up to the last bits (this request reuses the cached prompt, prefilled in other chunks)
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
+    for c in chunks:  # each chunk carries the logprobs of the tokens it carries
+        assert "".join(t.token for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])) == \
+            (c.choices[0].delta.content or "")
+
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  logprobs=2)
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    for token, logprob, top, offset in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
+        assert text[offset:offset + len(token)] == token and logprob <= 0
+        assert len(top) == 2 and top[token] == pytest.approx(max(top.values()))
+    cut = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                    logprobs=0, stop=".")  # the tokens from the stop string on are not in it
+    assert "".join(cut.choices[0].logprobs.tokens) == cut.choices[0].text == text[:text.index(".")]
+
+    # under a grammar every token has its logprobs (forced ones too), and the text is the same
+    form = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}  # its keys are forced
+    plain = chat(client, SCHEMA_PROMPT, max_tokens=40, response_format=form)
+    r = chat(client, SCHEMA_PROMPT, max_tokens=40, response_format=form, logprobs=True)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    assert all(t.top_logprobs == [] and t.logprob <= 0 for t in r.choices[0].logprobs.content)
+
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+     "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+    (CHAT, {"regex": "(abc"}, "regex"),
+    (CHAT, {"grammar": "start: foo"}, "grammar"),
+    (CHAT, {"guided_json": "{not json"}, "guided_json"),
+    (CHAT, {"response_format": {"type": "json_object"}, "regex": "a+"}, "regex"),
+    (CHAT, {"logit_bias": {"999999": 5}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"abc": 5}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"5": "high"}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"5": 500}}, "logit_bias"),
+    (CHAT, {"presence_penalty": 3}, "presence_penalty"),
+    (CHAT, {"frequency_penalty": -2.5}, "frequency_penalty"),
+    (CHAT, {"repetition_penalty": 0}, "repetition_penalty"),
+    (CHAT, {"min_p": 1.5}, "min_p"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"top_logprobs": 3}, "top_logprobs"),
+    (CHAT, {"logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "tools": TOOLS}, "tools"),
+    (CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    (CHAT, {"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
+    (CHAT, {"tools": "add"}, "tools"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+            "tool_choice": "required"}, "tools"),
+    (CHAT, {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_input(server, path, body, param):
+    body = {"messages": MESSAGES, **body} if path == CHAT else body
+    code, reply = post(server, path, body)
+    assert code == 400, reply
+    error = reply["error"]
+    assert error["param"] == param and error["message"] and "\n" not in error["message"]
+    ok, good = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})  # served right after
+    assert ok == 200 and good["choices"][0]["text"] is not None
