@@ -25,6 +25,19 @@ Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. 
   top-p: `engine.logits_to_probs`) of target and draft. An n-gram proposal is a point mass
   (q = one-hot): accept with probability p(d), on rejection sample from p with d removed.
 
+Structured output, penalties, logit_bias, logprobs (`speculative_decode_host`): the verify
+returns logits and tokens are picked on the host, as `Engine.generate` picks them (penalties and
+logit_bias counting the block's tokens before each position, the grammar's mask, then sampling).
+Under a grammar (a `grammar.Constraint`):
+- proposals are cut where the grammar stops allowing them (`Constraint.valid_prefix`); a draft
+  model samples from its own distribution masked by the grammar, so q is what its proposals were
+  really drawn from and rejection sampling stays exact (a cut point mass is still a point mass);
+- after a proposal, the tokens the grammar then forces go into the block as `Engine` inserts them
+  (jump-forward), unchecked; the target picks at each proposal and after the block, each masked
+  by the grammar's state there (the block is consumed into the grammar, then rolled back);
+- the accepted tokens and the target's own are consumed, then what the grammar forces next, which
+  the next verify feeds before its proposals. Greedy output is token-identical to Engine's.
+
 How many to propose (`--adaptive_k`, on by default; `next_k`): start at 2, double after a block
 accepted whole (up to --speculate_k), drop to one more than were accepted after a rejection. The
 compiled verify is one dynamic graph for every block length and context length, so a short
@@ -35,41 +48,51 @@ KV caches: both caches are indexed by absolute position, so undoing rejected pos
 advancing: their slots are masked causally and overwritten later. A sliding-window ring cache
 (`model.RingKVCache`) cannot be rewound that way (a rejected position overwrote the slot of one
 `window` positions earlier that is still needed), so the slots that speculative positions will
-overwrite are saved before and put back after (`RingSnapshot`); this needs k < window.
+overwrite are saved before and put back after (`RingSnapshot`); this needs k < window, and on
+the host path a block cut so that it fits in the window with the unfed tokens before it.
 
 Batch size 1 only: rows of a batch accept different numbers of tokens; larger batches are refused.
 """
 import json
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from engine import (ONE_SEQUENCE, Engine, Generator, Sampling, Stats, check_fits, compile_options,
-                    decode_metrics, guards_skipped, log, logits_to_probs, reusable_prefix, sample_probs)
+from engine import (ONE_SEQUENCE, Engine, Generator, Request, Sampling, Stats, adjust_logits, check_fits,
+                    common_prefix, compile_options, decode_metrics, guards_skipped, log, logits_to_probs, pick_tokens,
+                    reusable_prefix, sample_probs, token_logprobs)
 from errors import UserError
+from grammar import allow_tokens, unpack_mask
 from model import RingKVCache, Transformer, param_bytes
 
 
 # ---------------------------------------------------------------- the compiled pieces
 
-def verify(model: Transformer, tokens: Tensor, input_pos: Tensor, sampling: Sampling, kv_len: int) -> Tensor:
+def verify(model: Transformer, tokens: Tensor, input_pos: Tensor, sampling: Optional[Sampling],
+           kv_len: int) -> Tensor:
     """The target over [last token, d_1 .. d_m] (1, m + 1): its greedy ids (m + 1,), or its
-    processed distributions (m + 1, V) when sampling. Row i predicts the token after d_i.
+    processed distributions (m + 1, V) when sampling, or with sampling None its logits (m + 1, V)
+    (picked on the host). Row i predicts the token after d_i.
     kv_len: the cache slots in use, so attention skips the empty rest of the cache."""
     logits = model(tokens, input_pos, kv_len=kv_len)[0]  # (m + 1, V)
+    if sampling is None:
+        return logits
     if sampling.temperature == 0:
         return logits.argmax(-1)
     return logits_to_probs(logits, sampling)
 
 
-def draft_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, sampling: Sampling):
-    """One draft decode step: (next id (1, 1), its distribution q (1, V), or None when greedy)."""
+def draft_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, sampling: Optional[Sampling]):
+    """One draft decode step: (next id (1, 1), its distribution q (1, V), or None when greedy);
+    with sampling None its logits (1, V), which a grammar masks on the host."""
     logits = model(cur, input_pos)[:, -1]  # (1, V)
+    if sampling is None:
+        return logits
     if sampling.temperature == 0:
         return logits.argmax(-1, keepdim=True), None
     q = logits_to_probs(logits, sampling)
@@ -87,8 +110,9 @@ def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
 
 
 def accept_sampled(p: Tensor, q: Tensor, drafts: list) -> tuple:
-    """Rejection sampling over m = len(drafts) proposals. p: (k + 1, V) target distributions,
-    q: (m, V) proposal distributions. Returns (n accepted, the token after them)."""
+    """Rejection sampling over m = len(drafts) proposals. p: (m + 1, V) target distributions (or
+    (m, V) where nothing is picked after the proposals), q: (m, V) proposal distributions.
+    Returns (n accepted, the token after them, or None when all were accepted and p has m rows)."""
     m = len(drafts)
     d = torch.tensor(drafts, device=p.device)
     rows = torch.arange(m, device=p.device)
@@ -97,8 +121,51 @@ def accept_sampled(p: Tensor, q: Tensor, drafts: list) -> tuple:
     n = 0
     while n < m and accept[n]:
         n += 1
+    if n == len(p):
+        return n, None
     dist = residual_distribution(p[n], q[n]) if n < m else p[n]  # all accepted: a bonus token from p
     return n, sample_probs(dist.unsqueeze(0)).item()
+
+
+def build_block(drafts: list, constraint, masks: Optional[Tensor], stop: set, limit: int, jump: bool) -> tuple:
+    """What a host round feeds the target after its unfed tokens, at most `limit` tokens: each
+    proposal (the grammar allows them all), then the tokens the grammar forces after it (inserted
+    whole, as Engine's jump-forward inserts them, never checked); the block ends where the proposals
+    go another way than the forced tokens. masks[i] gets the grammar's mask before the i-th
+    proposal, and masks[m] the one after the block when the target picks there: the block is
+    consumed into the grammar and rolled back. Returns (block, the index of each proposal in it,
+    which is its index in drafts too, whether the target picks after the block: not after a stop
+    token, a completed grammar, or forced tokens that did not fit)."""
+    c = constraint
+    block, choices, consumed, i, bonus = [], [], 0, 0, True
+    while i < len(drafts) and len(block) < limit:
+        if c is not None:
+            c.fill_mask(masks[len(choices)])
+        choices.append(len(block))
+        block.append(drafts[i])
+        i += 1
+        if c is not None:
+            c.accept(block[-1])
+            consumed += 1
+        if block[-1] in stop or (c is not None and c.done()):
+            bonus = False
+            break
+        forced = c.forced() if c is not None and jump else []
+        if forced:
+            if len(block) + len(forced) > limit:  # they come whole, after this round
+                bonus = False
+                break
+            c.accept_all(forced)
+            consumed += len(forced)
+            block += forced
+            if drafts[i:i + len(forced)] != forced:  # the proposal went another way (or ended)
+                break
+            i += len(forced)
+    if c is not None:
+        if bonus:
+            c.fill_mask(masks[len(choices)])
+        c.rollback(consumed)
+    return block, choices, bonus
 
 
 class RingSnapshot:
@@ -137,8 +204,9 @@ class RingSnapshot:
 
 class Proposer(ABC):
     """What SpeculativeEngine asks of a proposer. Each generate call: start(context) once, then
-    per round propose(context, k) and accepted(n). context is every token so far, by position;
-    its last token has not been through the target yet."""
+    per round propose(context, k) (propose_on_host(context, k, sampling, constraint) when the
+    engine picks on the host) and accepted(n). context is every token so far, by position; its
+    last token (after a grammar's forced tokens, its last few) has not been through the target yet."""
 
     name: str = "proposer"
     model: Optional[Transformer] = None  # a proposer that runs a model names it (its bytes count as read)
@@ -147,8 +215,8 @@ class Proposer(ABC):
     def setup(self, max_seq_length: int):
         """Allocate what the proposer keeps per position (a draft's KV cache)."""
 
-    def warm_up(self, sampling: Sampling):
-        """Run any compiled graph once before timing."""
+    def warm_up(self, sampling: Sampling, host: bool = False):
+        """Run any compiled graph once before timing (host: the one that returns logits)."""
 
     @abstractmethod
     def start(self, context: list, sampling: Sampling):
@@ -157,6 +225,16 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
         """Up to k proposed ids, and their distributions q (m, V), or None for point masses or greedy."""
+
+    def propose_on_host(self, context: list, k: int, sampling: Sampling, constraint) -> tuple:
+        """As propose, for a round the engine picks on the host, under a grammar (`constraint`, a
+        grammar.Constraint left as it was, or None). Proposals drawn from distributions must be
+        drawn from them masked by the grammar, so that q is what they really came from; point masses
+        (this default) are proposed as usual, and the engine cuts them where the grammar objects."""
+        drafts, q = self.propose(context, k, sampling)
+        if q is not None and constraint is not None:
+            raise NotImplementedError(f"the {self.name} proposer cannot propose under a grammar")
+        return drafts, q
 
     def accepted(self, n: int):
         """The target kept the first n proposals of the last round."""
@@ -229,9 +307,15 @@ class DraftProposer(Proposer):
         tok, q = self.step(self.model, cur, torch.tensor([pos], device=self.device), sampling)
         return tok.clone(), (None if q is None else q.clone())
 
-    def warm_up(self, sampling: Sampling):
+    def _logits(self, token: int, pos: int) -> Tensor:
+        """The draft's logits (1, V) after `token` at cache slot pos."""
+        self.forwards += 1
+        return self.step(self.model, torch.tensor([[token]], device=self.device),
+                         torch.tensor([pos], device=self.device), None).clone()
+
+    def warm_up(self, sampling: Sampling, host: bool = False):
         for _ in range(2):  # the compiled graph runs from the second call on
-            self._one(0, 0, sampling)
+            self._logits(0, 0) if host else self._one(0, 0, sampling)
         self.fed = []  # slot 0 now holds garbage
 
     def start(self, context: list, sampling: Sampling):
@@ -263,6 +347,43 @@ class DraftProposer(Proposer):
         drafts = torch.cat(toks).view(-1).tolist()
         self.fed.extend(drafts[:-1])  # the last proposal was not fed
         return drafts, (None if sampling.temperature == 0 else torch.cat(qs))
+
+    def propose_on_host(self, context: list, k: int, sampling: Sampling, constraint) -> tuple:
+        """Up to k ids drafted from the draft's logits masked by the grammar, and the distributions
+        they were drawn from (k, V) (None when greedy: masked argmax); up to where the grammar
+        completes. (Where it forces tokens the engine inserts its own, and skips these proposals.)"""
+        missing = context[len(self.fed):]  # the target's new tokens: a sampled one and any a grammar forced
+        if len(missing) > 1:  # all but the last as one chunk
+            start = len(self.fed)
+            self.forwards += 1
+            self.model(torch.tensor([missing[:-1]], device=self.device),
+                       torch.arange(start, start + len(missing) - 1, device=self.device),
+                       last_logits_only=True, kv_len=start + len(missing) - 1)
+            self.fed.extend(missing[:-1])
+        logits = self._logits(missing[-1], len(self.fed))
+        self.fed.append(missing[-1])
+        self.first_draft_slot = len(self.fed)
+        self.ring.save(self.first_draft_slot, self.first_draft_slot + k - 1)
+        drafts, qs = [], []
+        for i in range(k):
+            if i:
+                logits = self._logits(drafts[-1], self.first_draft_slot + i - 1)
+            x = logits.float()
+            if constraint is not None:
+                x = allow_tokens(x.clone(), [constraint])
+            if sampling.temperature == 0:
+                drafts.append(x.argmax(-1).item())
+            else:
+                qs.append(logits_to_probs(x, sampling))
+                drafts.append(sample_probs(qs[-1]).item())
+            if constraint is not None:
+                constraint.accept(drafts[-1])
+                if constraint.done():
+                    break
+        if constraint is not None:
+            constraint.rollback(len(drafts))
+        self.fed.extend(drafts[:-1])  # the last proposal was not fed
+        return drafts, (torch.cat(qs) if qs else None)
 
     def accepted(self, n: int):
         """n of the last proposals were kept: forget the rest (and undo them in a ring cache)."""
@@ -321,6 +442,7 @@ class SpeculativeEngine(Generator):
         self.k_round = k  # this round's proposals at most: k, or next_k's choice when adaptive
         self.tokens: list = []  # the target's context: tokens by cache position (the last one not fed yet)
         self.ring = None
+        self.jump_forward = True  # feed the tokens a grammar forces with the next block (False: picked one by one)
 
     def setup(self, batch_size: int, max_seq_length: int):
         if batch_size != 1:
@@ -333,8 +455,9 @@ class SpeculativeEngine(Generator):
         """The target's cache no longer holds self.tokens (another engine wrote it)."""
         self.tokens = []
 
-    def warm_up(self, prompts: list, sampling: Sampling):
-        """Run every compiled graph (verify, the one-token step, the draft's step) before timing."""
+    def warm_up(self, prompts: list, sampling: Sampling, host: bool = False):
+        """Run every compiled graph (verify, the one-token step, the draft's step) before timing;
+        host: the graphs that return logits (a grammar, penalties, logit_bias or logprobs)."""
         if not self.compiled:
             return
         log("compiling (about a minute the first time, cached on disk afterwards)...")
@@ -343,17 +466,21 @@ class SpeculativeEngine(Generator):
         with torch.inference_mode():
             no_pad = torch.zeros(1, dtype=torch.long, device=device)
             for length, pos in ((self.k + 1, 3), (2, 7)):  # two lengths: the second call runs the dynamic graph
-                self.run_verify(torch.zeros(1, length, dtype=torch.long, device=device), pos, sampling)
+                self.run_verify(torch.zeros(1, length, dtype=torch.long, device=device), pos,
+                                None if host else sampling)
                 self.engine.decode_one_token(self.model, torch.zeros(1, 1, dtype=torch.long, device=device),
-                                             torch.tensor([0], device=device), no_pad, sampling)
-            self.proposer.warm_up(sampling)
+                                             torch.tensor([0], device=device), no_pad, None if host else sampling)
+            self.proposer.warm_up(sampling, host)
         self.forget_cache()  # the caches now hold garbage at the first positions
         log(f"compiled in {time.perf_counter() - start:.1f} s")
 
     @torch.inference_mode()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), start_pos: int = 0,
-                 on_tokens: Optional[Callable] = None) -> tuple:
-        """As `Engine.generate`, for one prompt; returns ([new ids], SpecStats)."""
+                 on_tokens: Optional[Callable] = None, constraints: Optional[list] = None,
+                 logprobs: Optional[int] = None, host: bool = False) -> tuple:
+        """As `Engine.generate`, for one prompt; returns ([new ids], SpecStats). A grammar,
+        penalties, logit_bias or logprobs (or host=True) pick tokens on the host from the target's
+        logits (`speculative_decode_host`); otherwise the compiled verify picks them."""
         if len(prompts) != 1:
             raise UserError(ONE_SEQUENCE)
         prompt, device = list(prompts[0]), self.device
@@ -364,6 +491,9 @@ class SpeculativeEngine(Generator):
             if model is not None and model.ring_window is not None and self.k >= model.ring_window:
                 raise UserError(f"--speculate_k {self.k} must be smaller than the sliding window "
                                 f"({model.ring_window}): a ring KV cache cannot undo more positions")
+        row = Request(prompt, max_new_tokens, sampling, constraint=constraints[0] if constraints else None,
+                      logprobs=logprobs)
+        host = host or sampling.adjusts or logprobs is not None or row.constraint is not None
         self.ring = RingSnapshot(self.model)  # the caches may have been reallocated since the last call
         context = self.tokens = self.tokens[:start_pos] + prompt
         stats = SpecStats(prompt_tokens=len(prompt), new_tokens=0, ttft_s=0.0, decode_s=0.0, token_times=[],
@@ -371,34 +501,71 @@ class SpeculativeEngine(Generator):
         draft_forwards_before = self.proposer.forwards
         self.k_round = min(ADAPTIVE_MIN_K, self.k) if self.adaptive else self.k
         self.verify_guards_checked = self.step_guards_checked = False
-        stop, out = set(stop_ids), []
+        stop, out = set(stop_ids), row.out
 
-        def emit(new: list):
-            now = time.perf_counter()
+        def emit(new: list, entries=(), timed: bool = True):
+            """As Engine.generate's hand_out: the new tokens go out, and may end the output."""
             out.extend(new)
             context.extend(new)
-            stats.token_times.extend([now] * len(new))  # a block of tokens arrives at once
-            if on_tokens:
-                for token in new:
-                    on_tokens([token])
+            row.token_logprobs.extend(lp for lp in entries if lp is not None)
+            if timed:  # a block of tokens arrives at once; the first round counts once, as in Engine
+                stats.token_times.extend([time.perf_counter()] * (len(new) if stats.token_times else 1))
+            if row.error:
+                row.finish_reason = "error"
+            elif new[-1] in stop or (row.constraint is not None and row.constraint.done()):
+                row.finish_reason = "stop"
+            elif len(out) >= max_new_tokens:
+                row.finish_reason = "length"
+            for i, token in enumerate(new if on_tokens else ()):
+                if on_tokens([token]):  # a stop string: what followed was never said
+                    del out[len(out) - len(new) + i + 1:]
+                    if entries:
+                        kept = sum(lp is not None for lp in entries[i + 1:])
+                        del row.token_logprobs[len(row.token_logprobs) - kept:]
+                    row.finish_reason = "stop"
+                    break
 
         start = time.perf_counter()
+        if self.jump_forward and row.constraint is not None:
+            # what the grammar forces before any choice (a JSON object's first key) is prefilled with the prompt
+            lead = row.take(None)
+            if lead:
+                emit(lead, timed=False)
+                prompt = prompt + lead
         end = start_pos + len(prompt)
-        cur = self.engine.prefill(self.model, torch.tensor([prompt], device=device),
-                                  torch.arange(start_pos, end, device=device),
-                                  torch.zeros(1, dtype=torch.long, device=device), sampling, end)
-        emit([cur.item()])
+        pos = start_pos  # the cache slot of the first token the target has not seen
+        if row.finish_reason is None:
+            first = self.engine.prefill(self.model, torch.tensor([prompt], device=device),
+                                        torch.arange(start_pos, end, device=device),
+                                        torch.zeros(1, dtype=torch.long, device=device),
+                                        None if host else sampling, end)
+            pos = end
+            if host:
+                token = pick_tokens(first, [row])[0]  # records its logprobs
+                emit(row.take(token, jump=self.jump_forward and token not in stop))
+            else:
+                emit([first.item()])
+        if not stats.token_times:  # the grammar forced the whole output
+            stats.token_times.append(time.perf_counter())
         stats.ttft_s = stats.token_times[0] - start
-        if out[-1] not in stop and max_new_tokens > 1:
+        if row.finish_reason is None:
             self.proposer.start(context, sampling)
-        pos = end  # the cache slot of context[-1], which the target has not seen yet
-        while out[-1] not in stop and len(out) < max_new_tokens:
-            new = self.speculative_decode(context, pos, sampling, max_new_tokens - len(out), stop, stats)
-            pos += len(new)
-            emit(new)
+        while row.finish_reason is None:
+            if host:
+                new, entries, fed = self.speculative_decode_host(context, pos, row, max_new_tokens - len(out),
+                                                                 stop, stats)
+            else:
+                new = self.speculative_decode(context, pos, sampling, max_new_tokens - len(out), stop, stats)
+                entries, fed = (), len(new)  # context[pos] and the kept proposals
+            pos += fed
+            emit(new, entries)
+        del context[pos + 1:]  # self.tokens; the cache holds context[:pos] (a grammar's last forced tokens not)
         stats.new_tokens = len(out)
         stats.decode_s = stats.token_times[-1] - stats.token_times[0]
         stats.draft_forwards = self.proposer.forwards - draft_forwards_before
+        stats.finish_reasons = [row.finish_reason]
+        stats.logprobs = [row.token_logprobs] if logprobs is not None else []
+        stats.cached_tokens = pos
         return [out], stats
 
     def run_verify(self, ids: Tensor, pos: int, sampling: Sampling) -> Tensor:
@@ -460,6 +627,94 @@ class SpeculativeEngine(Generator):
         self.ring.restore(pos + len(new))
         self.proposer.accepted(len(new) - 1)
         return new
+
+    def speculative_decode_host(self, context: list, pos: int, row: Request, budget: int, stop: set,
+                                stats: SpecStats) -> tuple:
+        """One round picked on the host from the target's logits, as Engine.generate picks (penalties,
+        logit_bias, the grammar's mask, then sampling; logprobs), under the row's grammar if it has
+        one. context[pos:]: the tokens the target has not seen (a picked one, and any a grammar
+        forced after it); after them the verify feeds `build_block`'s block, and the target picks at
+        each proposal and after the block. Returns (new tokens, their logprob entries (None where
+        none is recorded), how many tokens past pos the target's cache now holds)."""
+        device, sampling, c = self.device, row.sampling, row.constraint
+        # as Request.take: with logprobs asked for, forced tokens are picked one by one (each has its logprob)
+        jump = self.jump_forward and row.logprobs is None
+        unfed = context[pos:]
+        u, V = len(unfed), self.model.args.vocab_size
+        limit = budget - 1  # block tokens: the target's own token after them takes the last one
+        if self.model.ring_window:  # a rejected position must not overwrite the slot of a kept one
+            limit = min(limit, self.model.ring_window - u)
+        drafts, q = self.proposer.propose_on_host(context, min(self.k_round, limit), sampling, c) \
+            if limit > 0 else ([], None)
+        allowed = drafts[:c.valid_prefix(drafts)] if c is not None and drafts else drafts
+        masks = torch.empty(len(allowed) + 1, (V + 31) // 32, dtype=torch.int32) if c is not None else None
+        block, choices, bonus = build_block(allowed, c, masks, stop, limit, jump)
+        m, L = len(choices), len(block)
+        stats.target_forwards += 1
+        if m:
+            self.ring.save(pos + u, pos + u + L)
+            logits = self.run_verify(torch.tensor([unfed + block], device=device), pos, None)  # (u + L, V)
+        else:  # nothing to check: a plain step over the unfed tokens
+            stats.plain_steps += 1
+            if u == 1:
+                with guards_skipped(self.step_guards_checked):
+                    logits = self.engine.decode_one_token(self.model, torch.tensor([unfed], device=device),
+                                                          torch.tensor([pos], device=device),
+                                                          torch.zeros(1, dtype=torch.long, device=device),
+                                                          None).clone()
+                self.step_guards_checked = self.compiled
+            else:
+                logits = self.run_verify(torch.tensor([unfed], device=device), pos, None)
+        picks = choices + ([L] if bonus else [])  # row u - 1 + j predicts block[j]
+        x = logits[[u - 1 + j for j in picks]].float()  # (m + bonus, V)
+        if sampling.adjusts:  # each pick's penalties count the block's tokens before it
+            x = adjust_logits(x, [replace(row, out=row.out + block[:j]) for j in picks])
+        if c is not None:
+            x = x.masked_fill(~unpack_mask(masks[:len(picks)], V).to(device), float("-inf"))
+        proposals = [block[j] for j in choices]
+        if sampling.temperature == 0:
+            target = x.argmax(-1).tolist()
+            n = 0
+            while n < m and proposals[n] == target[n]:
+                n += 1
+            token = target[n] if n < len(picks) else None
+        elif not m:
+            n, token = 0, sample_probs(logits_to_probs(x, sampling)).item()
+        else:
+            p = logits_to_probs(x, sampling)
+            if q is None:  # point masses
+                q = torch.zeros(m, V, device=device).scatter_(
+                    1, torch.tensor(proposals, device=device).view(-1, 1), 1.0)
+            else:
+                q = q[choices]
+            n, token = accept_sampled(p, q, proposals)
+        kept = choices[n] if n < m else L  # block tokens before the first rejected proposal
+        if m:
+            stats.histogram[n] += 1
+            stats.proposed += m
+            if self.adaptive:
+                self.k_round = next_k(self.k_round, n, m, self.k)
+            self.ring.restore(pos + u + kept)
+        new = block[:kept] + ([token] if token is not None else [])
+        if drafts:  # (also when the grammar cut them all); the last new token is fed next round
+            self.proposer.accepted(min(common_prefix(drafts, new), len(new) - 1))
+        chosen = [choices[j] for j in range(n)] + ([kept] if token is not None else [])  # where the target picked
+        entries = [None] * len(new)
+        if row.logprobs is not None:
+            for j, lp in zip(chosen, token_logprobs(logits[[u - 1 + j for j in chosen]], [new[j] for j in chosen],
+                                                    [row.logprobs] * len(chosen))):
+                entries[j] = lp
+        if c is not None:  # as Request.take: consume, then what the grammar forces next
+            if not c.accept_all(new):
+                row.error = c.error() or "the grammar rejects the picked tokens"
+            elif jump and not c.done() and new[-1] not in stop:
+                forced = c.forced()[:budget - len(new)]
+                if forced and not c.accept_all(forced):
+                    row.error = c.error() or "the grammar rejects its own forced tokens"
+                else:
+                    new += forced
+                    entries += [None] * len(forced)
+        return new, entries, u + kept
 
     def metrics(self, stats: SpecStats) -> dict:
         """Engine's decode metrics plus the acceptance figures; bandwidth counts the target's
