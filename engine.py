@@ -403,6 +403,9 @@ class Engine(Generator):
                                                   **compile_options(self.device, compile_mode))
         if compile_prefill:
             self.prefill = torch.compile(prefill, dynamic=True, fullgraph=True)
+        # forced tokens after a sampled one (jump-forward): a few tokens, compiled for any count
+        # (compiled when first used; warm_up(host=True) does it)
+        self.chunk = torch.compile(prefill, dynamic=True, fullgraph=True) if compile else self.prefill
 
     def setup(self, batch_size: int, max_seq_length: int):
         model = self.model
@@ -418,6 +421,13 @@ class Engine(Generator):
         start = time.perf_counter()
         # prefill + decode steps: the compiled graph runs from the second on
         self.generate(prompts, steps, sampling, host=host)
+        if host and len(prompts) == 1:  # the chunk of forced tokens, for two lengths (one dynamic graph)
+            with torch.inference_mode():
+                for T in (2, 3):  # at positions a chunk has (a cache length below 16 compiles apart)
+                    pos = min(64, self.model.max_seq_length - T)
+                    self.chunk(self.model, torch.zeros(1, T, dtype=torch.long, device=self.device),
+                               torch.arange(pos, pos + T, device=self.device),
+                               torch.zeros(1, dtype=torch.long, device=self.device), None, pos + T)
         log(f"compiled in {time.perf_counter() - start:.1f} s")
 
     @torch.inference_mode()
@@ -490,8 +500,9 @@ class Engine(Generator):
                 tokens = torch.cat([tokens, torch.tensor([rows[0].out], device=device)], 1)
                 prompt_len += len(rows[0].out)
         input_pos = torch.arange(start_pos, start_pos + prompt_len, device=device)
-        if rows[0].finish_reason is not None:
-            feed = [[0]]  # a grammar that forced the whole output: nothing to compute
+        prefilled = rows[0].finish_reason is None  # else a grammar forced the whole output: nothing to compute
+        if not prefilled:
+            feed = [[0]]
         elif host:
             logits = self.prefill(self.model, tokens, input_pos, pad, None, start_pos + prompt_len)
             feed = accept(pick(logits))
@@ -500,13 +511,13 @@ class Engine(Generator):
                                        start_pos + prompt_len).view(-1).tolist())
         first = time.perf_counter()
         times = []
-        pos = start_pos + prompt_len  # where the next fed token goes
+        pos = start_pos + prompt_len if prefilled else start_pos  # where the next fed token goes
         steps = 0
         while not all(r.finish_reason for r in rows):
             if len(feed[0]) > 1:  # one row: its sampled token and the ones its grammar forced, as one chunk
                 T = len(feed[0])
-                logits = self.prefill(self.model, torch.tensor(feed, device=device),
-                                      torch.arange(pos, pos + T, device=device), pad, None, pos + T)
+                logits = self.chunk(self.model, torch.tensor(feed, device=device),
+                                    torch.arange(pos, pos + T, device=device), pad, None, pos + T)
             else:
                 cur = torch.tensor(feed, device=device)  # (B, 1)
                 with guards_skipped(steps > 0):
@@ -626,7 +637,9 @@ class Request:
             return [token]
         new = [] if token is None else [token]
         room = self.max_new_tokens - len(self.out) - len(new) - (token is None)
-        forced = c.forced()[:max(room, 0)] if jump and not c.done() else []
+        # forced tokens skip the logits; with logprobs asked for, the mask forces them one step at a time
+        jump = jump and self.logprobs is None and not c.done()
+        forced = c.forced()[:max(room, 0)] if jump else []
         if forced and not c.accept_all(forced):
             self.error = c.error() or "the grammar rejects its own forced tokens"
             return new

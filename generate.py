@@ -45,11 +45,12 @@ def print_metrics(metrics: dict):
 
 
 def compare_with_plain(spec: speculative.SpeculativeEngine, prompts: list, max_new_tokens: int,
-                       sampling: Sampling, stop_ids, metrics: dict, spec_outputs: list) -> dict:
+                       sampling: Sampling, stop_ids, metrics: dict, spec_outputs: list, options: dict) -> dict:
     """Decode the same prompt without speculation (the target's own Engine) and compare speeds
-    and, greedy, the outputs. metrics: the speculative run's."""
-    spec.engine.warm_up(prompts, sampling, min(3, max_new_tokens))
-    outputs, stats = spec.engine.generate(prompts, max_new_tokens, sampling, stop_ids)
+    and, greedy, the outputs. metrics: the speculative run's; options: generate's (a fresh constraint)."""
+    host = options["constraints"] is not None or options["logprobs"] is not None or sampling.adjusts
+    spec.engine.warm_up(prompts, sampling, min(3, max_new_tokens), host=host)
+    outputs, stats = spec.engine.generate(prompts, max_new_tokens, sampling, stop_ids, **options)
     spec.forget_cache()  # the target's cache now holds the plain run
     plain = spec.engine.metrics(stats)["decode_tokens_per_s"]
     result = {"plain_decode_tokens_per_s": plain,
@@ -376,7 +377,7 @@ def main(argv=None):
             metrics = engine.metrics(stats)
             if args.compare_plain and isinstance(engine, speculative.SpeculativeEngine):
                 metrics.update(compare_with_plain(engine, prompts, args.max_new_tokens, sampling, stop_ids,
-                                                  metrics, outputs))
+                                                  metrics, outputs, options(len(prompts))))
             if tp is not None:
                 metrics.update(tp.rank_metrics(metrics, engine.model))
             print_metrics(metrics)

@@ -276,3 +276,9 @@ def test_cli_stop_and_json(smollm2_dir, tmp_path):
                          (["--json_schema", schema, "--max_new_tokens", "3"], "ran out")]:
         r = run_script("generate.py", "--checkpoint", smollm2_dir, "--no-compile", *flags)
         assert r.returncode == 1 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_unpack_mask_reads_bit_t_mod_32_of_word_t_div_32():
+    masks = torch.tensor([[1 << 5, -2147483647]], dtype=torch.int32)  # word 1 = 0x80000001: bits 0 and 31
+    assert unpack_mask(masks, 64)[0].nonzero().view(-1).tolist() == [5, 32, 63]
+    assert unpack_mask(masks, 40).shape == (1, 40)  # the logits' width, not a multiple of 32
