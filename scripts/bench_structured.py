@@ -48,7 +48,7 @@ def log(*args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_structured", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "smollm2-135m")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128, help="decode steps per call in part 1")
