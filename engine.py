@@ -273,9 +273,7 @@ def pick_tokens(logits: Tensor, rows: list) -> list:
     """Each row's next token from its logits (B, V): its penalties and logit_bias, its grammar's
     mask, then its Sampling, drawn from its own generator; records the logprobs a row asked for.
     rows[b]: a Request (its sampling, prompt, out, constraint, generator, logprobs)."""
-    x = adjust_logits(logits.float(), rows)
-    if any(r.constraint is not None for r in rows):
-        x = allow_tokens(x if x is not logits else x.clone(), [r.constraint for r in rows])
+    x = allow_tokens(adjust_logits(logits.float(), rows), [r.constraint for r in rows])
     ids = sample_rows(x, [r.sampling for r in rows], [r.generator for r in rows]).tolist()
     for r, lp in zip(rows, token_logprobs(logits, ids, [r.logprobs for r in rows])):
         if lp is not None:
@@ -452,10 +450,10 @@ class Engine(Generator):
         check_fits(start_pos, prompt_len, max_new_tokens, self.model.max_seq_length)
         pad = torch.tensor([prompt_len - len(p) for p in prompts], device=device)
         tokens = torch.tensor([[0] * (prompt_len - len(p)) + list(p) for p in prompts], device=device)
-        rows = [Request(list(p), max_new_tokens, sampling, constraint=constraints[b] if constraints else None,
-                        logprobs=logprobs) for b, p in enumerate(prompts)]
+        stop = frozenset(stop_ids)
+        rows = [Request(list(p), max_new_tokens, sampling, stop_ids=stop, constraint=constraints[b] if constraints
+                        else None, logprobs=logprobs) for b, p in enumerate(prompts)]
         host = host or sampling.adjusts or logprobs is not None or any(r.constraint for r in rows)
-        stop = set(stop_ids)
 
         def accept(ids: list) -> list:
             """Hand out each live row's sampled token (and what its grammar forces after it);
@@ -471,12 +469,7 @@ class Engine(Generator):
                 if new is None:
                     continue
                 r.out.extend(new)
-                if r.error:
-                    r.finish_reason = "error"
-                elif new[-1] in stop or (r.constraint is not None and r.constraint.done()):
-                    r.finish_reason = "stop"
-                elif len(r.out) >= max_new_tokens:
-                    r.finish_reason = "length"
+                r.finish_reason = r.end_reason()
             if on_tokens:
                 for i in range(max(len(f) for f in fresh if f is not None)):
                     for b in on_tokens([f[i] if f is not None and i < len(f) else None for f in fresh]) or ():
@@ -644,6 +637,16 @@ class Request:
             self.error = c.error() or "the grammar rejects its own forced tokens"
             return new
         return new + forced
+
+    def end_reason(self, last: bool = True) -> Optional[str]:
+        """Why the request ends after its newest token, if it does: "error" (its grammar rejected a
+        token), "stop" (a stop token; or, after the last of the tokens it just gained, a complete
+        grammar), "length" (max_new_tokens reached); else None."""
+        if self.error:
+            return "error"
+        if self.out[-1] in self.stop_ids or (last and self.constraint is not None and self.constraint.done()):
+            return "stop"
+        return "length" if len(self.out) >= self.max_new_tokens else None
 
 
 @dataclass(eq=False)
@@ -917,14 +920,9 @@ class BatchEngine:
             except Exception as e:  # a fault in one request's handling ends that request only
                 self._finish(req, "error", f"{type(e).__name__}: {e}")
                 return
-            if req.error:
-                self._finish(req, "error", req.error)
-            elif token in req.stop_ids or stop or (i == len(tokens) - 1 and req.constraint is not None
-                                                    and req.constraint.done()):
-                self._finish(req, "stop")
-            elif len(req.out) >= req.max_new_tokens:
-                self._finish(req, "length")
-            if req.finish_reason is not None:
+            reason = "stop" if stop and not req.error else req.end_reason(last=i == len(tokens) - 1)
+            if reason is not None:
+                self._finish(req, reason, req.error)
                 return
 
     def _finish(self, req: Request, reason: str, error: Optional[str] = None):

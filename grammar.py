@@ -3,7 +3,7 @@
     grammars = Grammars("checkpoints/smollm2-135m", vocab_size=model.args.vocab_size)
     spec = grammars.compile("json_schema", {"type": "object", ...})   # UserError if invalid
     constraint = grammars.constraint(spec)                             # one per sequence
-    allow_tokens(logits, [constraint])  # -inf where the grammar forbids; then sample; then
+    logits = allow_tokens(logits, [constraint])  # -inf where the grammar forbids; then sample; then
     constraint.accept(token); constraint.forced()                     # tokens the grammar leaves no choice on
 
 llguidance (Microsoft; what OpenAI's structured outputs and llama.cpp's use) reads tokenizer.json
@@ -152,13 +152,9 @@ def unpack_mask(masks: Tensor, vocab_size: int) -> Tensor:
 
 
 def allow_tokens(logits: Tensor, constraints: list) -> Tensor:
-    """(B, V) logits with -inf wherever row b's constraint forbids the token (in place; rows whose
-    constraint is None are left alone)."""
-    rows = [b for b, c in enumerate(constraints) if c is not None]
-    if not rows:
+    """(B, V) logits, -inf wherever row b's constraint forbids the token (rows whose constraint is
+    None keep every token). A new tensor, unless no row has a constraint."""
+    if all(c is None for c in constraints):
         return logits
     V = logits.shape[-1]
-    allowed = unpack_mask(token_masks([constraints[b] for b in rows], V).to(logits.device), V)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return logits
+    return logits.masked_fill(~unpack_mask(token_masks(constraints, V).to(logits.device), V), float("-inf"))

@@ -370,7 +370,7 @@ class DraftProposer(Proposer):
                 logits = self._logits(drafts[-1], self.first_draft_slot + i - 1)
             x = logits.float()
             if constraint is not None:
-                x = allow_tokens(x.clone(), [constraint])
+                x = allow_tokens(x, [constraint])
             if sampling.temperature == 0:
                 drafts.append(x.argmax(-1).item())
             else:
@@ -491,8 +491,8 @@ class SpeculativeEngine(Generator):
             if model is not None and model.ring_window is not None and self.k >= model.ring_window:
                 raise UserError(f"--speculate_k {self.k} must be smaller than the sliding window "
                                 f"({model.ring_window}): a ring KV cache cannot undo more positions")
-        row = Request(prompt, max_new_tokens, sampling, constraint=constraints[0] if constraints else None,
-                      logprobs=logprobs)
+        row = Request(prompt, max_new_tokens, sampling, stop_ids=frozenset(stop_ids),
+                      constraint=constraints[0] if constraints else None, logprobs=logprobs)
         host = host or sampling.adjusts or logprobs is not None or row.constraint is not None
         self.ring = RingSnapshot(self.model)  # the caches may have been reallocated since the last call
         context = self.tokens = self.tokens[:start_pos] + prompt
@@ -510,12 +510,7 @@ class SpeculativeEngine(Generator):
             row.token_logprobs.extend(lp for lp in entries if lp is not None)
             if timed:  # a block of tokens arrives at once; the first round counts once, as in Engine
                 stats.token_times.extend([time.perf_counter()] * (len(new) if stats.token_times else 1))
-            if row.error:
-                row.finish_reason = "error"
-            elif new[-1] in stop or (row.constraint is not None and row.constraint.done()):
-                row.finish_reason = "stop"
-            elif len(out) >= max_new_tokens:
-                row.finish_reason = "length"
+            row.finish_reason = row.end_reason()
             for i, token in enumerate(new if on_tokens else ()):
                 if on_tokens([token]):  # a stop string: what followed was never said
                     del out[len(out) - len(new) + i + 1:]

@@ -248,14 +248,19 @@ def test_next_k_grows_after_full_blocks_and_shrinks_after_rejections():
 V = 8  # small enough to enumerate every 3-token continuation
 
 
-def exact_distribution(model, prompt, s):
-    """P(t1, t2, t3) under the target's own sampling, by enumeration: (V, V, V)."""
+def every_continuation_logits(model, prompt):
+    """The logits (V*V, L + 2, V) of prompt + [a, b] for every two tokens a, b (row a * V + b)."""
     import copy
     m = copy.deepcopy(model)
     m.setup_caches(V * V, len(prompt) + 2)
     with torch.inference_mode():
-        rows = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])  # row a * V + b
-        logits = m(rows, torch.arange(rows.shape[1]))  # (V*V, L + 2, V)
+        rows = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
+        return m(rows, torch.arange(rows.shape[1]))
+
+
+def exact_distribution(model, prompt, s):
+    """P(t1, t2, t3) under the target's own sampling, by enumeration: (V, V, V)."""
+    logits = every_continuation_logits(model, prompt)
     L = len(prompt)
     probs = [logits_to_probs(logits[:, L - 1 + i], s).double().view(V, V, V) for i in range(3)]
     p1 = probs[0][0, 0]  # (V,): the prompt alone

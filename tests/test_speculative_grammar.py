@@ -13,7 +13,7 @@ import speculative
 from conftest import random_model
 from engine import Engine, Request, Sampling, adjust_logits, load_model, logits_to_probs
 from test_speculative import (PROMPTS, RUNS, SAMPLE_PROMPT, SAMPLINGS, V, ScriptedProposer, chi_square_p_value,
-                              noisy_copy, small_vocab_pair, spec_engine)
+                              every_continuation_logits, noisy_copy, small_vocab_pair, spec_engine)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -202,11 +202,7 @@ def test_kv_rollback_with_forced_tokens(window):
 def masked_exact_distribution(model, prompt, s, grammar):
     """P(t1, t2, t3) of plain constrained sampling, by enumeration: (V, V, V). As Engine picks:
     penalties and logit_bias, the grammar's mask, then the sampling's temperature, top-k, top-p."""
-    m = copy.deepcopy(model)
-    m.setup_caches(V * V, len(prompt) + 2)
-    with torch.inference_mode():
-        rows = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])  # row a * V + b
-        logits = m(rows, torch.arange(rows.shape[1]))  # (V*V, L + 2, V)
+    logits = every_continuation_logits(model, prompt)  # (V*V, L + 2, V), row a * V + b
     L = len(prompt)
 
     def probs(x, history):
