@@ -10,6 +10,7 @@ by the converter with one line naming the field.
 
 Run: python -m pytest -q tests/test_architectures.py
 """
+import copy
 import json
 import math
 
@@ -17,7 +18,11 @@ import pytest
 import torch
 import transformers  # noqa: F401 -- the oracle: a test environment without it fails here, it does not skip
 
+import kernels
+from conftest import random_model
 from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args
+from engine import BatchEngine, Engine, Request, Sampling
+from model import MoEFeedForward
 from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, load_hf, load_ours,
                             max_diff, tokens)
 
@@ -181,3 +186,105 @@ def test_unsupported_config_field_is_refused_naming_it(model_type, field, value)
     with pytest.raises(ConvertError, match=field) as e:
         hf_config_to_args({**cfg, field: value}, {})
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- mixtures of experts beyond parity
+
+def tiny_moe(seed=0, **overrides):
+    """A random Mixtral-shaped model: 8 experts, top-2."""
+    return random_model(seed=seed, **{**dict(architecture="mixtral", n_experts=8, n_experts_per_token=2,
+                                            intermediate_size=48), **overrides})
+
+
+def chosen_experts(model, run) -> list:
+    """The set of experts each MoE layer's router chose during run(model)."""
+    chosen, hooks = [], []
+    for layer in model.layers:
+        ff, seen = layer.feed_forward, set()
+        chosen.append(seen)
+        hooks.append(ff.gate.register_forward_hook(
+            lambda m, i, logits, seen=seen, k=ff.top_k: seen.update(logits.topk(k, dim=-1).indices.flatten().tolist())))
+    run(model)
+    for h in hooks:
+        h.remove()
+    return chosen
+
+
+def poison_others(model, chosen: list):
+    """Every expert no token chose gets NaN weights: reading one makes the logits NaN."""
+    for layer, keep in zip(model.layers, chosen):
+        ff = layer.feed_forward
+        others = [e for e in range(ff.gate.out_features) if e not in keep]
+        for w in (ff.w1, ff.w2, ff.w3):
+            w.weight.data[others] = float("nan")
+
+
+@pytest.mark.parametrize("batch, tokens_per_row", [(1, 20), (2, 12), (1, 1), (3, 1), (2, 7)])
+@torch.inference_mode()
+def test_moe_reads_only_the_chosen_experts(batch, tokens_per_row):
+    """Prompts (experts grouped: more token slots than experts), one decode token, a batch's
+    decode step, a short chunk (chosen experts gathered): with every expert no token chose
+    poisoned, the logits are unchanged."""
+    model = tiny_moe(n_experts=32, n_experts_per_token=2)  # more than 2 * 12 token slots: some unchosen
+    model.setup_caches(batch, 64)
+    g = torch.Generator().manual_seed(0)
+    model(torch.randint(0, 256, (batch, 5), generator=g), torch.arange(5))  # something in the cache
+    ids = torch.randint(0, 256, (batch, tokens_per_row), generator=g)
+    pos = torch.arange(5, 5 + tokens_per_row)
+    clean = copy.deepcopy(model)
+    chosen = chosen_experts(copy.deepcopy(model), lambda m: m(ids, pos))
+    assert all(len(c) < 32 for c in chosen), "every expert chosen: nothing to poison"
+    poison_others(model, chosen)
+    expected, got = clean(ids, pos), model(ids, pos)
+    assert torch.isfinite(got).all()
+    assert max_diff(got, expected) <= 1e-5
+
+
+def test_moe_gathers_for_few_tokens_and_groups_for_many():
+    """The two paths of MoEFeedForward agree (float32 rounding) on the same tokens."""
+    ff = tiny_moe(n_experts=8, n_experts_per_token=2).layers[0].feed_forward
+    assert isinstance(ff, MoEFeedForward)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        grouped = ff(x.view(1, 9, 64))  # 18 token slots > 8 experts
+        gathered = torch.cat([ff(x[i:i + 1].view(1, 1, 64)) for i in range(9)], dim=1)
+    assert max_diff(grouped, gathered) <= 1e-5
+
+
+def generate(engine, prompts, n=16, max_seq_length=96):
+    engine.setup(len(prompts), max_seq_length)
+    outs, _ = engine.generate(prompts, n, Sampling())
+    return outs
+
+
+PROMPTS = [[5, 9, 200], list(range(20, 31)), list(range(100, 137))]
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_batched_generation_equals_each_prompt_alone(norm_topk_prob):
+    """A left-padded batch (prompts grouped by expert, decode steps gathered) gives each row what
+    it gets alone; so do continuously batched requests."""
+    model = tiny_moe(architecture="qwen3_moe", n_experts_per_token=3, norm_topk_prob=norm_topk_prob)
+    engine = Engine(model)
+    alone = [generate(engine, [p])[0] for p in PROMPTS]
+    assert generate(engine, PROMPTS) == alone
+    assert len({tuple(o) for o in alone}) == 3
+    batch = BatchEngine(copy.deepcopy(model), max_batch_size=2, max_seq_length=96, prefill_chunk=16)
+    reqs = [Request(p, 16) for p in PROMPTS]
+    for r in reqs:
+        batch.submit(r)
+    for _ in range(200):
+        batch.step()
+        if all(r.finish_reason for r in reqs):
+            break
+    assert [r.out for r in reqs] == alone
+
+
+def test_moe_compiled_equals_eager():
+    """The compiled prefill (experts grouped in an opaque op) and decode step (experts gathered),
+    with the CPU fast paths, give eager's greedy tokens, one prompt and a batch."""
+    model = tiny_moe()
+    eager = [generate(Engine(model), [p])[0] for p in PROMPTS]
+    compiled = Engine(kernels.install(copy.deepcopy(model)), compile=True, compile_prefill=True)
+    assert [generate(compiled, [p])[0] for p in PROMPTS] == eager
+    assert generate(compiled, PROMPTS) == eager
