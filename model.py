@@ -19,6 +19,8 @@ Sliding-window layers keep only the last `sliding_window` positions, in a ring b
 """
 import json
 import math
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
@@ -36,6 +38,65 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tan
 
 class ConfigError(ValueError):
     """A config.json that this engine cannot run; the message is meant for the user."""
+
+
+# Ranges of config.json numbers beyond their annotated type. Every integer is a size, a count or a
+# token id, so 0 <= n < 2**31 unless listed; every float must be finite.
+CONFIG_POSITIVE = {  # sizes, counts and scales that are divided by, multiplied through or must exist
+    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+    "max_position_embeddings", "sliding_window", "rope_dim", "n_experts_per_token", "moe_intermediate_size",
+    "norm_eps", "rope_theta", "rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcapping",
+    "final_logit_softcapping", "logits_scaling", "embedding_scale", "attention_multiplier"}
+CONFIG_MAX = {"n_layers": 4096}  # per-layer lists are built from it before any weight is read
+CONFIG_ITEMS = {"layer_types": ("full_attention", "sliding_attention"), "eos_token_ids": int, "nope_layers": int}
+
+
+def checked_config_value(name: str, value, annotation):
+    """value (an int widened to float where a float is expected) if it has the annotated type and
+    lies in CONFIG_POSITIVE / CONFIG_MAX / CONFIG_ITEMS' range; otherwise a ConfigError naming the field."""
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+
+    def wrong(expected):
+        return ConfigError(f"config field {name!r}: {shown} is not {expected}")
+
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # Optional[X]
+        if value is None and type(None) in args:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+    base = typing.get_origin(annotation) or annotation
+    if base is bool:
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+    elif base is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise wrong("an integer")
+        low = 1 if name in CONFIG_POSITIVE else 0
+        high = CONFIG_MAX.get(name, 2 ** 31 - 1)
+        if not low <= value <= high:
+            raise wrong(f"an integer in {low}..{high}")
+    elif base is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise wrong("a number")
+        value = float(value)
+        if not math.isfinite(value) or (name in CONFIG_POSITIVE and value <= 0):
+            raise wrong("a positive finite number" if name in CONFIG_POSITIVE else "a finite number")
+    elif base is str:
+        if not isinstance(value, str):
+            raise wrong("a string")
+    elif base is dict:
+        if not isinstance(value, dict):
+            raise wrong("an object")
+    elif base is list:
+        if not isinstance(value, list):
+            raise wrong("a list")
+        items = CONFIG_ITEMS.get(name)
+        if isinstance(items, tuple) and not all(isinstance(v, str) and v in items for v in value):
+            raise wrong(f"a list of {' or '.join(items)}")
+        if items is int and not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 31
+                                    for v in value):
+            raise wrong("a list of non-negative integers")
+    return value
 
 
 @dataclass
@@ -113,11 +174,24 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        """config.json's fields -> ModelArgs, each checked against its annotation and CONFIG_RANGES
+        first, so that a wrong value is a line naming the field rather than an error deep in the model."""
+        annotations = typing.get_type_hints(cls)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ConfigError(f"unknown config fields: {', '.join(unknown)}")
-        return cls(**d)
+        d = {name: checked_config_value(name, value, annotations[name]) for name, value in d.items()}
+        vocab_size = d.get("vocab_size", cls.vocab_size)
+        for name in ("bos_token_id", "eos_token_ids"):  # an id past the embedding fails only mid-generation
+            ids = d.get(name) if isinstance(d.get(name), list) else [d.get(name)]
+            if any(i is not None and i >= vocab_size for i in ids):
+                raise ConfigError(f"config field {name!r}: {d[name]!r} is outside the vocabulary of {vocab_size}")
+        args = cls(**d)
+        try:  # the RoPE variant's parameters: a missing or non-numeric one fails here, not at load
+            rope_inv_freq(args)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError, RuntimeError) as e:
+            raise ConfigError(f"config field 'rope_scaling': {args.rope_scaling!r} is unusable ({type(e).__name__}: {e})") from None
+        return args
 
     @classmethod
     def from_json(cls, path) -> "ModelArgs":
@@ -363,10 +437,12 @@ class FeedForward(nn.Module):
 
 
 class Experts(nn.Module):
-    """n_experts bias-free linear layers stacked: weight (n_experts, out_features, in_features)."""
+    """n_experts bias-free linear layers stacked: weight (n_experts, out_features, in_features).
+    quantize.py's experts layers answer the same two calls."""
 
     def __init__(self, n_experts: int, in_features: int, out_features: int):
         super().__init__()
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
         self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
 
     def forward(self, x: Tensor, ids: Tensor) -> Tensor:
@@ -374,6 +450,10 @@ class Experts(nn.Module):
         experts' weights are read (gathered to (N, k, out, in))."""
         x = x.unsqueeze(1).expand(-1, ids.shape[1], -1) if x.dim() == 2 else x  # (N, k, in)
         return torch.einsum("nki,nkoi->nko", x, self.weight[ids])
+
+    def expert(self, e: int, dtype: torch.dtype) -> Tensor:
+        """Expert e's weight (out, in) in dtype, as an nn.Linear would hold it."""
+        return self.weight[e].to(dtype)
 
 
 class MoEFeedForward(nn.Module):
@@ -398,37 +478,44 @@ class MoEFeedForward(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        if x.shape[0] * self.top_k <= self.gate.out_features:
-            # few tokens (decode): gather the chosen experts' weights, static shapes for a compiled step
+        compiling, float_experts = torch.compiler.is_compiling(), type(self.w1) is Experts
+        if x.shape[0] * self.top_k <= self.gate.out_features or (compiling and not float_experts):
+            # few tokens (decode): gather the chosen experts' weights, static shapes for a compiled
+            # step; also a compiled prompt through quantized experts, whose integers the gather reads
             h = self.act(self.w1(x, ids)) * self.w3(x, ids)  # (N, k, hidden)
             y = self.w2(h, ids)  # (N, k, dim)
+        elif compiling:  # a compiled graph cannot trace the data-dependent loop: there it is an opaque op
+            y = torch.ops.minillm_model.moe_grouped(x, ids, self.w1.weight, self.w3.weight, self.w2.weight,
+                                                    self.act_name)
         else:  # many tokens (a prompt, a wide batch): each chosen expert runs on its own tokens
-            # a compiled graph cannot trace the data-dependent loop: there it is an opaque op
-            grouped = torch.ops.minillm_model.moe_grouped if torch.compiler.is_compiling() else moe_grouped
-            y = grouped(x, ids, self.w1.weight, self.w3.weight, self.w2.weight, self.act_name)
+            y = moe_grouped(x, ids, self.w1.expert, self.w3.expert, self.w2.expert, self.act)
         return (y * weights.unsqueeze(-1)).sum(1).view(shape)
 
 
-def moe_grouped(x: Tensor, ids: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, act: str) -> Tensor:
+def moe_grouped(x: Tensor, ids: Tensor, w1, w3, w2, act) -> Tensor:
     """x (N, dim), each token slot of ids (N, k) through its expert: (N, k, dim), computed expert
-    by expert over the tokens that chose it. w1, w3 (n_experts, hidden, dim), w2 (n_experts, dim, hidden)."""
+    by expert over the tokens that chose it. w1, w3, w2: expert e, dtype -> its weight (out, in)."""
     N, k = ids.shape
     slots = ids.flatten().argsort(stable=True)  # token slots grouped by expert
-    counts = torch.bincount(ids.flatten(), minlength=w1.shape[0]).tolist()
-    out = x.new_empty(N * k, w2.shape[1])  # (N * k, dim)
-    start = 0
+    counts = torch.bincount(ids.flatten()).tolist()  # tokens per expert, up to the last one chosen
+    out, start = None, 0
     for e, n in enumerate(counts):
         if n:  # an expert no token chose is not read
             chosen = slots[start:start + n]
             xe = x[chosen // k]  # (n, dim)
-            out[chosen] = F.linear(ACTIVATIONS[act](F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
+            y = F.linear(act(F.linear(xe, w1(e, x.dtype))) * F.linear(xe, w3(e, x.dtype)), w2(e, x.dtype))
+            if out is None:
+                out = x.new_empty(N * k, y.shape[-1])  # (N * k, dim)
+            out[chosen] = y
             start += n
     return out.view(N, k, -1)
 
 
 @torch.library.custom_op("minillm_model::moe_grouped", mutates_args=())
 def _moe_grouped_op(x: Tensor, ids: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, act: str) -> Tensor:
-    return moe_grouped(x, ids, w1, w3, w2, act)
+    def expert(w):
+        return lambda e, dtype: w[e].to(dtype)
+    return moe_grouped(x, ids, expert(w1), expert(w3), expert(w2), ACTIVATIONS[act])
 
 
 @_moe_grouped_op.register_fake

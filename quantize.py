@@ -23,7 +23,9 @@ in its 4-bit files). The token embedding (a lookup reads one row, but it is the 
 tensor) is int8 per row, except in int4 modes when the head is untied (Qwen2.5): there the
 table goes int4 in groups, which pays for the int8 head. A tied head shares the int8 table.
 Norms and biases stay in float. config.json's "quantization" records each choice ("embedding",
-"output").
+"output"). A mixture's experts (model.Experts, weight (n_experts, out, in)) take the blocks' format
+with a leading expert dimension on every tensor; their router stays float, and int4-gptq rounds
+them to nearest (no per-expert Hessians are collected).
 
 `SCHEMES` is the table of modes: each names a `Format` (how one matrix is stored, and the layers
 that read it) for the blocks, the head and the embedding. A new scheme is a new Format (its
@@ -47,6 +49,7 @@ import checkpoint
 import kernels
 import tp
 from errors import QuantizeError, run_cli
+from model import Experts
 
 GROUPSIZES = (32, 64, 128, 256)  # the int4 kernel handles 32 and multiples of 64
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "macbeth.txt"
@@ -485,6 +488,75 @@ class Int8Embedding(QuantizedLayer):
         return (rows[..., :self.embedding_dim].float() * self.scales[tokens][..., None]).to(self.dtype)
 
 
+class Int8Experts(QuantizedLayer):
+    """model.Experts stored int8 per output channel of each expert: weight int8 (n_experts, out, in),
+    scales float32 (n_experts, out). The chosen experts' integers are gathered and dequantized
+    (fused into the product in a compiled step); a prompt dequantizes one chosen expert at a time."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self.register_buffer("weight", torch.empty(n_experts, out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(n_experts, out_features, dtype=torch.float32))
+
+    @classmethod
+    def like(cls, experts: nn.Module, groupsize: Optional[int] = None) -> "Int8Experts":
+        return cls(experts.n_experts, experts.in_features, experts.out_features)
+
+    def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
+        self.scales = self.scales.float()
+
+    def forward(self, x: Tensor, ids: Tensor) -> Tensor:
+        """As model.Experts.forward: x (N, in) or (N, k, in), ids (N, k) -> (N, k, out)."""
+        x = x.unsqueeze(1).expand(-1, ids.shape[1], -1) if x.dim() == 2 else x  # (N, k, in)
+        w = self.weight[ids].float() * self.scales[ids][..., None]  # (N, k, out, in), only the chosen experts
+        return torch.einsum("nki,nkoi->nko", x.float(), w).to(x.dtype)
+
+    def expert(self, e: int, dtype: torch.dtype) -> Tensor:
+        return (self.weight[e].float() * self.scales[e][:, None]).to(dtype)
+
+
+class Int4Experts(QuantizedLayer):
+    """model.Experts stored as Int4Linear's on-disk tensors with a leading expert dimension:
+    weight uint8 (n_experts, out, in_padded / 2), scales and zeros float16 (n_experts, out, groups)."""
+    float_tensors = ("scales", "zeros")
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, groupsize: int):
+        super().__init__()
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self.groupsize, width = groupsize, padded_width(in_features, groupsize)
+        self.register_buffer("weight", torch.empty(n_experts, out_features, width // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(n_experts, out_features, width // groupsize, dtype=torch.float16))
+        self.register_buffer("zeros", torch.empty(n_experts, out_features, width // groupsize, dtype=torch.float16))
+
+    @classmethod
+    def like(cls, experts: nn.Module, groupsize: Optional[int]) -> "Int4Experts":
+        return cls(experts.n_experts, experts.in_features, experts.out_features, groupsize)
+
+    @property
+    def split_unit(self) -> int:
+        return self.groupsize
+
+    def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
+        pass  # stays in its on-disk layout: the gather unpacks the chosen experts' nibbles
+
+    def dequantized(self, b: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+        """uint8 (..., out, width / 2) and their (..., out, groups) -> float32 (..., out, in)."""
+        q = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # (..., out, width), low nibble first
+        groups = q.view(*q.shape[:-1], scales.shape[-1], -1)  # (..., out, groups, groupsize)
+        w = groups.float() * scales.float()[..., None] + zeros.float()[..., None]
+        return w.flatten(-2)[..., :self.in_features]
+
+    def forward(self, x: Tensor, ids: Tensor) -> Tensor:
+        """As model.Experts.forward: x (N, in) or (N, k, in), ids (N, k) -> (N, k, out)."""
+        x = x.unsqueeze(1).expand(-1, ids.shape[1], -1) if x.dim() == 2 else x  # (N, k, in)
+        w = self.dequantized(self.weight[ids], self.scales[ids], self.zeros[ids])  # (N, k, out, in)
+        return torch.einsum("nki,nkoi->nko", x.float(), w).to(x.dtype)
+
+    def expert(self, e: int, dtype: torch.dtype) -> Tensor:
+        return self.dequantized(self.weight[e], self.scales[e], self.zeros[e]).to(dtype)
+
+
 def pack_int8_for_device(q: Tensor) -> Tensor:
     return pad_columns(q, 32).contiguous() if for_cpu_kernel(q) else pack_int8(q)
 
@@ -514,13 +586,14 @@ class Format:
     name: str  # what config.json records for the head and the embedding
     linear: type  # the QuantizedLayer replacing an nn.Linear
     embedding: type  # the QuantizedLayer replacing the nn.Embedding (same tensors: a tied head shares them)
+    experts: type  # the QuantizedLayer replacing a mixture's model.Experts (every expert's matrix in this format)
     quantize: Callable[[Tensor, Optional[int]], dict]  # (float weight (out, in), groupsize) -> tensors by name
     gptq: Optional[Callable[[Tensor, Tensor, int], dict]] = None  # (weight, Hessian, groupsize) -> the same
     grouped: bool = False  # takes --groupsize
 
 
-INT8 = Format("int8", Int8Linear, Int8Embedding, int8_tensors)
-INT4 = Format("int4", Int4Linear, Int4Embedding,
+INT8 = Format("int8", Int8Linear, Int8Embedding, Int8Experts, int8_tensors)
+INT4 = Format("int4", Int4Linear, Int4Embedding, Int4Experts,
               quantize=lambda w, groupsize: int4_tensors(*quantize_int4(w, groupsize)),
               gptq=lambda w, hessian, groupsize: int4_tensors(*gptq_int4(w, hessian, groupsize)),
               grouped=True)
@@ -549,6 +622,11 @@ SCHEMES = {
 def linear_names(model) -> list:
     """The linear layers, block by block, then the head: the modules tp.PLAN splits, but the embedding."""
     return [name for name, _ in model.named_modules() if tp.plan_kind(name) not in (None, "vocab_embedding")]
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A mixture's stacked experts (model.Experts): weight (n_experts, out, in)."""
+    return isinstance(module, Experts)
 
 
 def layer_format(scheme: Scheme, args, name: str) -> Format:
@@ -582,9 +660,9 @@ def use_quantized_layers(model, recorded: dict):
     for name in linear_names(model) + ["tok_embeddings"]:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        fmt = layer_format(scheme, model.args, name)
-        layer = fmt.embedding if name == "tok_embeddings" else fmt.linear
-        setattr(parent, attr, layer.like(getattr(parent, attr), recorded.get("groupsize")))
+        fmt, module = layer_format(scheme, model.args, name), getattr(parent, attr)
+        layer = fmt.embedding if name == "tok_embeddings" else fmt.experts if is_experts(module) else fmt.linear
+        setattr(parent, attr, layer.like(module, recorded.get("groupsize")))
 
 
 def float_tensor_names(model) -> set:
@@ -675,10 +753,13 @@ def quantize_state(model, mode: str, groupsize: int, hessians: Optional[dict] = 
     for name in progress(names, "GPTQ" if hessians else "quantizing", "layer"):
         w = state.pop(f"{name}.weight")
         fmt = layer_format(scheme, args, name)
-        if fmt.grouped and groupsize > w.shape[1]:
-            raise QuantizeError(f"group size {groupsize} is larger than {name}'s {w.shape[1]} inputs")
+        if fmt.grouped and groupsize > w.shape[-1]:
+            raise QuantizeError(f"group size {groupsize} is larger than {name}'s {w.shape[-1]} inputs")
         if hessians is not None and name in hessians:
             tensors = fmt.gptq(w, hessians[name], groupsize)
+        elif w.dim() == 3:  # experts: every expert's rows quantized as one matrix's, then split again
+            tensors = {k: t.view(w.shape[0], w.shape[1], *t.shape[1:])
+                       for k, t in fmt.quantize(w.reshape(-1, w.shape[-1]), groupsize).items()}
         else:
             tensors = fmt.quantize(w, groupsize)
         out.update({f"{name}.{tensor}": t for tensor, t in tensors.items()})
@@ -735,7 +816,9 @@ def main(argv=None):
         from tokenizer import Tokenizer
         sequences = calibration_sequences(Tokenizer(args.checkpoint), args.calibration, args.calibration_samples,
                                           args.calibration_length)
-        names = [name for name in linear_names(model) if layer_format(scheme, config, name).gptq]
+        # experts are rounded to nearest: one Hessian per expert from the tokens routed to it is not collected
+        names = [name for name in linear_names(model)
+                 if layer_format(scheme, config, name).gptq and not is_experts(model.get_submodule(name))]
         log(f"GPTQ: collecting layer inputs over {len(sequences)} x {args.calibration_length} tokens "
             f"of {args.calibration}")
         hessians = collect_hessians(model, names, sequences)

@@ -288,3 +288,37 @@ def test_moe_compiled_equals_eager():
     compiled = Engine(kernels.install(copy.deepcopy(model)), compile=True, compile_prefill=True)
     assert [generate(compiled, [p])[0] for p in PROMPTS] == eager
     assert generate(compiled, PROMPTS) == eager
+
+
+# (mode, bound on each expert's weight error, on the logits' error); a dense model of this shape
+# is as far from float: int8 ~0.022, int4 ~0.2
+@pytest.mark.parametrize("mode, weight_bound, bound", [("int8", 0.01, 0.03), ("int4", 0.15, 0.3)])
+def test_moe_quantized_experts_within_bound(mode, weight_bound, bound, tmp_path):
+    """quantize.py stores every expert in the mode's format; the loaded model's logits stay within
+    the scheme's bound of float (as tests/test_quantize.py's), and compiled decodes as eager."""
+    import quantize
+    from conftest import save_checkpoint
+    from engine import load_model
+    from safetensors import safe_open
+    model = tiny_moe(std=0.05, dim=128, intermediate_size=64, n_kv_heads=2)
+    src = save_checkpoint(model, tmp_path / "float")
+    quantize.main(["--checkpoint", str(src), "--mode", mode, "--out", str(tmp_path / mode), "--groupsize", "32"])
+    with safe_open(tmp_path / mode / "model.safetensors", "pt") as f:
+        w1 = f.get_tensor("layers.0.feed_forward.w1.weight")
+        assert w1.dtype == (torch.int8 if mode == "int8" else torch.uint8)
+        assert w1.shape == ((8, 64, 128) if mode == "int8" else (8, 64, 64))
+    quantized, reference = load_model(tmp_path / mode), load_model(src)
+    for name in ("w1", "w3", "w2"):
+        q, w = getattr(quantized.layers[1].feed_forward, name), getattr(reference.layers[1].feed_forward, name).weight
+        for e in range(8):
+            assert (q.expert(e, torch.float32) - w[e]).norm() / w[e].norm() < weight_bound, (name, e)
+    prompt = list(range(100, 140))
+    for m in (quantized, reference):
+        m.setup_caches(1, 64)
+    with torch.inference_mode():  # 40 tokens: the experts grouped, one dequantized at a time
+        lq, lf = (m(torch.tensor([prompt]), torch.arange(40)) for m in (quantized, reference))
+    rel = ((lq - lf).norm() / lf.norm()).item()
+    assert rel < bound, rel
+    eager = generate(Engine(quantized), [prompt[:20]], 12, 64)
+    compiled = Engine(quantized, compile=True, compile_prefill=True)
+    assert generate(compiled, [prompt[:20]], 12, 64) == eager  # 20 tokens: the chosen experts' integers gathered
