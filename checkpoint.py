@@ -35,12 +35,20 @@ def read_config(checkpoint_dir) -> ModelArgs:
         raise ConfigError(f"{ckpt}/{CONFIG}: {e}") from None
 
 
+class ExpectedShapes(dict):
+    """name -> shape, and in `dtypes` each tensor's dtype in the model, so that read_weights can
+    refuse an integer tensor where the model computes in floats (and the reverse)."""
+
+    def __init__(self, shapes: dict, dtypes: dict):
+        super().__init__(shapes)
+        self.dtypes = dtypes
+
+
 def expected_shapes(model: torch.nn.Module) -> dict:
     """name -> shape of every tensor a checkpoint of `model` holds (a tied head is not stored)."""
-    shapes = {name: t.shape for name, t in model.state_dict().items()}
-    if model.args.tie_word_embeddings:
-        shapes = {name: s for name, s in shapes.items() if not name.startswith("output.")}
-    return shapes
+    state = {name: t for name, t in model.state_dict().items()
+             if not (model.args.tie_word_embeddings and name.startswith("output."))}
+    return ExpectedShapes({name: t.shape for name, t in state.items()}, {name: t.dtype for name, t in state.items()})
 
 
 def check_names(names, expected, where) -> None:
@@ -73,6 +81,10 @@ def read_weights(checkpoint_dir, expected: dict, device, dtype: torch.dtype,
                 if t.shape != shape:
                     raise CheckpointError(f"{weights}: {name} has shape {tuple(t.shape)}, "
                                           f"config.json implies {tuple(shape)}")
+                want = getattr(expected, "dtypes", {}).get(name)
+                if want is not None and (t.dtype != want if not want.is_floating_point else not t.is_floating_point()):
+                    raise CheckpointError(f"{weights}: {name} is {t.dtype}, the model needs "
+                                          f"{want if not want.is_floating_point else 'floating point'}")
                 keep = not t.is_floating_point() or keep_dtype(name)
                 state[name] = t.to(device=device, dtype=t.dtype if keep else dtype)
     except (SafetensorError, OSError, ValueError) as e:
@@ -115,6 +127,7 @@ def write_checkpoint(out_dir, args: ModelArgs, state: dict, add_files: Optional[
                      metadata: Optional[dict] = None) -> Path:
     """config.json + model.safetensors (+ whatever add_files(dir) writes, e.g. the tokenizer) into
     a temporary sibling directory, which then replaces out_dir. Returns out_dir."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir).resolve()
@@ -138,7 +151,7 @@ def write_checkpoint(out_dir, args: ModelArgs, state: dict, add_files: Optional[
         if out_dir.exists():
             out_dir.rename(old)
         tmp.rename(out_dir)
-    except (OSError, ValueError, RuntimeError) as e:  # a full disk, a read-only directory
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a full disk, a read-only directory
         raise CheckpointError(f"cannot write {out_dir}: {one_line(e)}") from None
     finally:
         if old.exists() and not out_dir.exists():  # the swap failed halfway: put the old output back

@@ -503,54 +503,110 @@ def unpermute_rope_rows(w, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(-1, dim)
 
 
+GGUF_KINDS = {int: "an integer", float: "a number", str: "a string", list: "an array"}
+
+
+def gguf_value(reader, key: str, kind: type, default=None):
+    """A metadata value of the type the converter expects, or default when absent: a foreign or
+    corrupted file gets a line naming the key rather than a TypeError further on."""
+    value = gguf_field(reader, key)
+    if value is None:
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        shown = repr(value) if len(repr(value)) < 40 else repr(value)[:37] + "..."
+        raise ConvertError(f"GGUF metadata {key} is {shown}, expected {GGUF_KINDS[kind]}")
+    return value
+
+
+def gguf_positive(reader, key: str, kind: type = int, default=None):
+    """A count or a scale: a positive integer (or finite number) when present."""
+    value = gguf_value(reader, key, kind, default)
+    if value is not None and not 0 < value < float("inf"):
+        raise ConvertError(f"GGUF metadata {key} is {value}, expected a positive {'integer' if kind is int else 'number'}")
+    return value
+
+
 def gguf_rope_scaling(reader, arch: str, context: int):
-    kind = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    kind = gguf_value(reader, f"{arch}.rope.scaling.type", str, "none")
     if kind == "none":
         return None
-    factor = float(gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    factor = gguf_positive(reader, f"{arch}.rope.scaling.factor", float, 1.0)
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        original = gguf_field(reader, f"{arch}.rope.scaling.original_context_length", context)
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(original)}
+        original = gguf_positive(reader, f"{arch}.rope.scaling.original_context_length", int, context)
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
     raise ConvertError(f"GGUF RoPE scaling {kind!r} is not supported")
 
 
 def gguf_config(reader, arch: str, tensors: dict) -> dict:
-    """A GGUF file's metadata as the config.json keys hf_config_to_args reads. What llama.cpp does
-    not record (Gemma 3's layer pattern, its local RoPE base) takes the architecture's default."""
-    def need(key):
-        value = gguf_field(reader, f"{arch}.{key}")
+    """A GGUF file's metadata as the config.json keys hf_config_to_args reads, each value checked
+    for type and range. What llama.cpp does not record (Gemma 3's layer pattern, its local RoPE
+    base) takes the architecture's default."""
+    def need(key, kind=int):
+        value = gguf_positive(reader, f"{arch}.{key}", kind)
         if value is None:
             raise ConvertError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-    context = int(gguf_field(reader, f"{arch}.context_length", 4096))
-    eos = [gguf_field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot")]
+    tokens = gguf_value(reader, "tokenizer.ggml.tokens", list)
+    if tokens is not None and not all(isinstance(token, str) for token in tokens):
+        raise ConvertError("GGUF metadata tokenizer.ggml.tokens is not an array of strings")
+    embeddings = tensors.get("token_embd.weight")
+    if not tokens and (embeddings is None or len(embeddings.shape) != 2):
+        raise ConvertError("GGUF file has neither tokenizer.ggml.tokens nor a 2-d token_embd.weight")
+    vocab = len(tokens) if tokens else int(embeddings.shape[1])  # GGUF dims run innermost first
+    n_layers = need("block_count")
+    blocks = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
+    if blocks != {str(i) for i in range(min(n_layers, len(blocks) + 1))}:  # a count the tensors do not bear out sizes nothing
+        raise ConvertError(f"GGUF metadata {arch}.block_count is {n_layers}, but the file has "
+                           f"tensors for {len(blocks)} blocks")
+    context = gguf_positive(reader, f"{arch}.context_length", int, 4096)
+
+    def token_id(kind):
+        value = gguf_value(reader, f"tokenizer.ggml.{kind}_token_id", int)
+        if value is not None and not 0 <= value < vocab:
+            raise ConvertError(f"GGUF metadata tokenizer.ggml.{kind}_token_id is {value}, "
+                               f"outside the vocabulary of {vocab}")
+        return value
+
+    eos = [token_id(kind) for kind in ("eos", "eot")]
     if arch == "qwen2" and tokens and "<|endoftext|>" in tokens:
         # Qwen2 GGUFs name only <|im_end|>; a base-style continuation ends with <|endoftext|> (HF lists both)
-        eos.append(list(tokens).index("<|endoftext|>"))
+        eos.append(tokens.index("<|endoftext|>"))
     cfg = {
         "model_type": arch,
-        "vocab_size": len(tokens) if tokens else int(tensors["token_embd.weight"].shape[1]),
+        "vocab_size": vocab,
         "hidden_size": need("embedding_length"),
-        "num_hidden_layers": need("block_count"),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": need("attention.head_count"),
-        "num_key_value_heads": gguf_field(reader, f"{arch}.attention.head_count_kv"),
-        "head_dim": gguf_field(reader, f"{arch}.attention.key_length"),
+        "num_key_value_heads": gguf_positive(reader, f"{arch}.attention.head_count_kv"),
+        "head_dim": gguf_positive(reader, f"{arch}.attention.key_length"),
         "intermediate_size": need("feed_forward_length"),
-        "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
-        "rope_theta": gguf_field(reader, f"{arch}.rope.freq_base"),
+        "rms_norm_eps": need("attention.layer_norm_rms_epsilon", float),
+        "rope_theta": gguf_positive(reader, f"{arch}.rope.freq_base", float),
         "rope_scaling": gguf_rope_scaling(reader, arch, context),
-        "sliding_window": gguf_field(reader, f"{arch}.attention.sliding_window"),
+        "sliding_window": gguf_positive(reader, f"{arch}.attention.sliding_window"),
         "max_position_embeddings": context,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": [int(token) for token in eos if token is not None],
+        "bos_token_id": token_id("bos"),
+        "eos_token_id": [token for token in eos if token is not None],
     }
     return {key: value for key, value in cfg.items() if value is not None}  # absent: the default applies
+
+
+class CheckedGGUFReader(gguf.GGUFReader):
+    """gguf.GGUFReader that refuses to read past the end of the file: the stock reader returns
+    short arrays there, so a corrupted array length spins through billions of empty items."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise ValueError(f"an item at byte {int(offset)} runs past the end of the file ({len(self.data)} bytes)")
+        return super()._get(offset, dtype, count, override_order)
 
 
 def load_gguf(gguf_path):
@@ -559,7 +615,7 @@ def load_gguf(gguf_path):
     if not gguf_path.is_file():
         raise ConvertError(f"GGUF file {gguf_path} does not exist")
     try:
-        reader = gguf.GGUFReader(gguf_path)
+        reader = CheckedGGUFReader(gguf_path)
         arch = gguf_field(reader, "general.architecture")
     except Exception as e:  # truncated or not a GGUF at all
         raise ConvertError(f"cannot read {gguf_path} as GGUF: {one_line(e)}") from None
@@ -576,11 +632,12 @@ def load_gguf(gguf_path):
             raise ConvertError(f"GGUF file lacks tensor {name!r}")
         try:
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=True)  # F32 data is a read-only memmap
+            # GGUF lists dims innermost first; torch wants them outermost first ([out, in])
+            w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         except Exception as e:
             raise ConvertError(f"cannot dequantize {name} ({t.tensor_type.name}): {one_line(e)}") from None
         bar.update()
-        # GGUF lists dims innermost first; torch wants them outermost first ([out, in])
-        return torch.from_numpy(w.reshape(tuple(int(d) for d in reversed(t.shape))))
+        return torch.from_numpy(w)
 
     def norm(name):
         # llama.cpp stores Gemma's norm weights with the +1 folded in; ours are HF-style (1 + w)

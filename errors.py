@@ -2,7 +2,7 @@
 
 Library code raises a subclass of `UserError`; each command line's `__main__` hands its `main` to
 `run_cli`, the only place that turns the error into that line. Anything else is a bug and keeps
-its traceback.
+its traceback. Ctrl-C prints `interrupted` and exits 130.
 """
 import sys
 
@@ -45,7 +45,8 @@ def run_cli(main, argv=None):
     try:
         main(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # what was being written has been cleaned up on the way out
+        print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -179,7 +179,7 @@ class ModelArgs:
         annotations = typing.get_type_hints(cls)
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
-            raise ConfigError(f"unknown config fields: {', '.join(unknown)}")
+            raise ConfigError(f"unknown config fields: {', '.join(map(repr, unknown))}")
         d = {name: checked_config_value(name, value, annotations[name]) for name, value in d.items()}
         vocab_size = d.get("vocab_size", cls.vocab_size)
         for name in ("bos_token_id", "eos_token_ids"):  # an id past the embedding fails only mid-generation

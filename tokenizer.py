@@ -10,21 +10,46 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from errors import TokenizerError
+from errors import TokenizerError, one_line
 
 
-def _token_content(token) -> Optional[str]:
+def _token_content(token, key: str) -> Optional[str]:
     # tokenizer_config.json writes special tokens either as strings or as {"content": ...} dicts
-    if isinstance(token, dict):
-        return token.get("content")
-    return token
+    content = token.get("content") if isinstance(token, dict) else token
+    if content is not None and not isinstance(content, str):
+        raise TokenizerError(f"tokenizer_config.json: {key} is {token!r:.60}, expected a token's text")
+    return content
+
+
+def _read_json(path: Path) -> dict:
+    """A tokenizer JSON file that must hold an object, or a one-line TokenizerError."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TokenizerError(f"cannot read {path}: {one_line(e)}") from None
+    if not isinstance(obj, dict):
+        raise TokenizerError(f"{path} does not hold a JSON object")
+    return obj
+
+
+def _chat_template(config: dict) -> Optional[str]:
+    """tokenizer_config.json's chat_template: a string, or named templates of which "default" is used."""
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        if not all(isinstance(t, dict) and "name" in t and "template" in t for t in template):
+            raise TokenizerError("tokenizer_config.json: chat_template is a list whose entries are not "
+                                 "{\"name\": ..., \"template\": ...}")
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"tokenizer_config.json: chat_template is {template!r:.60}, expected a string")
+    return template or None
 
 
 class Tokenizer:
     def __init__(self, checkpoint_dir):
         checkpoint_dir = Path(checkpoint_dir)
         config_path = checkpoint_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = _read_json(config_path) if config_path.is_file() else {}
 
         if (checkpoint_dir / "tokenizer.json").is_file():
             self._load_hf(checkpoint_dir / "tokenizer.json")
@@ -37,8 +62,8 @@ class Tokenizer:
                 "file, which rebuilds them from its embedded tokenizer."
             )
 
-        bos = _token_content(config.get("bos_token"))
-        eos = _token_content(config.get("eos_token"))
+        bos = _token_content(config.get("bos_token"), "bos_token")
+        eos = _token_content(config.get("eos_token"), "eos_token")
         self.bos_id = self._token_id(bos) if bos else self._default_bos_id
         eos_id = self._token_id(eos) if eos else self._default_eos_id
         self.eos_ids = [eos_id] if eos_id is not None else []
@@ -49,12 +74,12 @@ class Tokenizer:
         self.chat_template = None
         template_path = checkpoint_dir / "chat_template.jinja"
         if template_path.is_file():
-            self.chat_template = template_path.read_text()
-        elif config.get("chat_template"):
-            template = config["chat_template"]
-            if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-                template = {t["name"]: t["template"] for t in template}.get("default")
-            self.chat_template = template
+            try:
+                self.chat_template = template_path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"cannot read {template_path}: {one_line(e)}") from None
+        else:
+            self.chat_template = _chat_template(config)
 
     # --- backends -------------------------------------------------------------------------------
 
@@ -64,7 +89,7 @@ class Tokenizer:
         try:
             self._hf = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:
-            raise TokenizerError(f"cannot load {path}: {e}") from e
+            raise TokenizerError(f"cannot load {path}: {one_line(e)}") from e
         self._sp = None
         self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
         self._default_bos_id = self._default_eos_id = None
@@ -85,7 +110,9 @@ class Tokenizer:
         except TokenizerError:
             raise
         except Exception as e:
-            raise TokenizerError(f"cannot load SentencePiece model {path}: {e}") from e
+            raise TokenizerError(f"cannot load SentencePiece model {path}: {one_line(e)}") from e
+        if not all(isinstance(p.piece, str) for p in proto.pieces):  # protobuf hands back invalid UTF-8 as bytes
+            raise TokenizerError(f"cannot load SentencePiece model {path}: a piece is not valid UTF-8")
         self._hf = None
         self.vocab_size = self._sp.get_piece_size()
         self._default_bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
@@ -160,8 +187,6 @@ class Tokenizer:
                 "this tokenizer has no chat template (no chat_template.jinja and no chat_template in "
                 "tokenizer_config.json): it is probably a base model; prompt it with plain text instead"
             )
-        import jinja2
-
         try:
             template = _compile_chat_template(self.chat_template)
             return template.render(
@@ -172,8 +197,8 @@ class Tokenizer:
                 tools=None,
                 documents=None,
             )
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"chat template failed: {e}") from e
+        except Exception as e:  # the template is the checkpoint's code: any error in it is the checkpoint's
+            raise TokenizerError(f"chat template failed: {one_line(e)}") from e
 
 
 def _compile_chat_template(source: str):
@@ -305,20 +330,44 @@ def gguf_field(reader, key: str, default=None):
     field = reader.get_field(key)
     if field is None:
         return default
-    value = field.contents()
+    try:
+        value = field.contents()
+    except (UnicodeDecodeError, IndexError) as e:  # a corrupted string or array
+        raise TokenizerError(f"GGUF metadata {key} is unreadable ({one_line(e)})") from None
     # GGUF floats are float32: give 1e-05, not 9.999999747378752e-06
     return float(f"{value:.7g}") if isinstance(value, float) else value
+
+
+def _gguf_typed(reader, key: str, kind: type, default=None, items: type = None, length: int = None):
+    """A tokenizer metadata value of the expected type (a list: of `items`, `length` long), or default."""
+    value = gguf_field(reader, key)
+    if value is None:
+        return default
+    if items is float and isinstance(value, list):
+        value = [float(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value]
+    wrong = not isinstance(value, kind) or (kind is int and isinstance(value, bool))
+    if not wrong and items is not None:
+        wrong = not all(isinstance(v, items) and not isinstance(v, bool) for v in value)
+    if wrong:
+        shown = repr(value) if len(repr(value)) < 40 else repr(value)[:37] + "..."
+        raise TokenizerError(f"GGUF metadata {key} is {shown}, expected "
+                             f"{'a list of ' + items.__name__ if items else kind.__name__}")
+    if length is not None and len(value) != length:
+        raise TokenizerError(f"GGUF metadata {key} has {len(value)} entries for {length} tokens")
+    return value
 
 
 def write_tokenizer_from_gguf(reader, out_dir) -> None:
     """Write the tokenizer embedded in a GGUF file (gguf.GGUFReader) as tokenizer files in out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kind = gguf_field(reader, "tokenizer.ggml.model")
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-    if kind is None or tokens is None:
+    kind = _gguf_typed(reader, "tokenizer.ggml.model", str)
+    tokens = _gguf_typed(reader, "tokenizer.ggml.tokens", list, items=str)
+    if kind is None or not tokens:
         raise TokenizerError("the GGUF file has no embedded tokenizer (no tokenizer.ggml.model / tokens)")
-    token_types = gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    token_types = _gguf_typed(reader, "tokenizer.ggml.token_type", list, None, int, len(tokens)) or [1] * len(tokens)
+    if not all(1 <= t <= 6 for t in token_types):
+        raise TokenizerError("GGUF metadata tokenizer.ggml.token_type holds a type outside 1..6")
 
     if kind == "gpt2":
         _write_byte_level_bpe(reader, tokens, token_types, out_dir)
@@ -329,12 +378,12 @@ def write_tokenizer_from_gguf(reader, out_dir) -> None:
 
     config = {}
     for key, name in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id")):
-        token_id = gguf_field(reader, f"tokenizer.ggml.{name}")
+        token_id = _gguf_typed(reader, f"tokenizer.ggml.{name}", int)
         if token_id is not None and 0 <= token_id < len(tokens):
             config[key] = tokens[token_id]
     add_bos = gguf_field(reader, "tokenizer.ggml.add_bos_token")
     config["add_bos_token"] = bool(add_bos) if add_bos is not None else kind == "llama"
-    template = gguf_field(reader, "tokenizer.chat_template")
+    template = _gguf_typed(reader, "tokenizer.chat_template", str)
     if template:
         config["chat_template"] = template
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
@@ -344,12 +393,17 @@ def _write_byte_level_bpe(reader, tokens, token_types, out_dir):
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as HFTokenizer
 
-    merges = gguf_field(reader, "tokenizer.ggml.merges")
+    merges = _gguf_typed(reader, "tokenizer.ggml.merges", list, items=str)
     if merges is None:
         raise TokenizerError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
-    normalizer, pre_tokenizer = _byte_level_pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", "default"))
+    if not all(" " in m for m in merges):
+        raise TokenizerError("GGUF metadata tokenizer.ggml.merges holds an entry that is not two tokens")
+    normalizer, pre_tokenizer = _byte_level_pre_tokenizer(_gguf_typed(reader, "tokenizer.ggml.pre", str, "default"))
     vocab = {token: i for i, token in enumerate(tokens)}
-    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    try:
+        tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    except Exception as e:  # tokenizers' own check, e.g. a merge of tokens not in the vocabulary
+        raise TokenizerError(f"the GGUF's BPE tokenizer could not be rebuilt: {one_line(e)}") from None
     if normalizer is not None:
         tokenizer.normalizer = normalizer
     tokenizer.pre_tokenizer = pre_tokenizer
@@ -362,14 +416,17 @@ def _write_byte_level_bpe(reader, tokens, token_types, out_dir):
             if t in (3, 4)
         ]
     )
-    tokenizer.save(str(out_dir / "tokenizer.json"))
+    try:
+        tokenizer.save(str(out_dir / "tokenizer.json"))
+    except Exception as e:  # tokenizers reports a failed write (a full disk) as a bare Exception
+        raise TokenizerError(f"cannot write {out_dir / 'tokenizer.json'}: {one_line(e)}") from None
 
 
 def _parse_sentencepiece_proto(serialized: bytes):
     try:
         from sentencepiece import sentencepiece_model_pb2
     except ImportError as e:
-        raise TokenizerError(f"SentencePiece models need the protobuf package (pip install protobuf): {e}") from e
+        raise TokenizerError(f"SentencePiece models need the protobuf package (pip install protobuf): {one_line(e)}") from e
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(serialized)
     return proto
@@ -379,7 +436,7 @@ def _write_sentencepiece(reader, tokens, token_types, out_dir):
     import sentencepiece as spm
 
     proto = _parse_sentencepiece_proto(b"")
-    scores = gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    scores = _gguf_typed(reader, "tokenizer.ggml.scores", list, None, float, len(tokens)) or [0.0] * len(tokens)
     # GGUF token types use SentencePiece's numbering: 1 normal, 2 unknown, 3 control, 4 user-defined,
     # 5 unused, 6 byte
     for i, (token, score, token_type) in enumerate(zip(tokens, scores, token_types)):
@@ -396,8 +453,11 @@ def _write_sentencepiece(reader, tokens, token_types, out_dir):
     trainer.vocab_size = len(tokens)
     trainer.byte_fallback = 6 in token_types
     for name, default in (("unk", 0), ("bos", 1), ("eos", 2), ("pad", -1)):
-        token_id = gguf_field(reader, f"tokenizer.ggml.{'padding' if name == 'pad' else name}_token_id")
-        setattr(trainer, f"{name}_id", int(token_id) if token_id is not None else default)
+        key = f"tokenizer.ggml.{'padding' if name == 'pad' else name}_token_id"
+        token_id = _gguf_typed(reader, key, int)
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise TokenizerError(f"GGUF metadata {key} is {token_id}, outside the vocabulary of {len(tokens)}")
+        setattr(trainer, f"{name}_id", token_id if token_id is not None else default)
     if trainer.unk_id >= 0 and token_types[trainer.unk_id] != 2:
         trainer.unk_id = next((i for i, t in enumerate(token_types) if t == 2), 0)
     for name in ("unk", "bos", "eos", "pad"):
@@ -416,5 +476,5 @@ def _write_sentencepiece(reader, tokens, token_types, out_dir):
     try:
         spm.SentencePieceProcessor(model_proto=serialized)  # fail here, not when the model is used
     except Exception as e:
-        raise TokenizerError(f"the GGUF's SentencePiece tokenizer could not be rebuilt: {e}") from e
+        raise TokenizerError(f"the GGUF's SentencePiece tokenizer could not be rebuilt: {one_line(e)}") from e
     (out_dir / "tokenizer.model").write_bytes(serialized)
