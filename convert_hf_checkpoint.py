@@ -374,6 +374,10 @@ def load_hf_weights(checkpoint_dir: Path) -> dict:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ConvertError(f"{index} has no weight_map")
+        bad = [name for name in weight_map.values()
+               if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")]
+        if bad:  # a weight file is a plain name inside the checkpoint directory
+            raise ConvertError(f"{index} names {bad[0]!r:.60} as a weight file")
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(path.name for path in checkpoint_dir.glob("*.safetensors"))
@@ -463,11 +467,11 @@ def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
         for kind in ("weight", "bias") if args.attention_bias else ("weight",):
             q, k, v = (take(prefix + f"self_attn.{x}_proj.{kind}") for x in "qkv")
             out[prefix + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"model.{prefix}self_attn.*_proj.{kind}")
-        if family.experts:  # one tensor per expert -> stacked (n_experts, out, in)
+        if family.experts:  # one tensor per expert -> their rows stacked (n_experts * out, in)
             module, *names = family.experts
             out[prefix + "feed_forward.gate.weight"] = take(prefix + f"{module}.gate.weight")
             for hf_name, ours in zip(names, ("w1", "w3", "w2")):
-                out[prefix + f"feed_forward.{ours}.weight"] = torch.stack(
+                out[prefix + f"feed_forward.experts.{ours}.weight"] = torch.cat(
                     [take(prefix + f"{module}.experts.{e}.{hf_name}.weight") for e in range(args.n_experts)])
     if hf:
         names = sorted(hf)

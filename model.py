@@ -437,23 +437,70 @@ class FeedForward(nn.Module):
 
 
 class Experts(nn.Module):
-    """n_experts bias-free linear layers stacked: weight (n_experts, out_features, in_features).
-    quantize.py's experts layers answer the same two calls."""
+    """n_experts bias-free linear layers in one matrix (n_experts * out, in): rows e * out to
+    (e + 1) * out are expert e's, so quantize.py and tp.py treat it like a linear layer's weight
+    (in_features, out_features: the matrix's). quantize.py's experts layers answer the same calls."""
 
-    def __init__(self, n_experts: int, in_features: int, out_features: int):
+    def __init__(self, n_experts: int, in_features: int, out_per_expert: int):
         super().__init__()
-        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
-        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features))
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, n_experts * out_per_expert
+        self.weight = nn.Parameter(torch.empty(n_experts * out_per_expert, in_features))
 
     def forward(self, x: Tensor, ids: Tensor) -> Tensor:
-        """x (N, in) or (N, k, in) times the experts ids (N, k): (N, k, out). Only the chosen
-        experts' weights are read (gathered to (N, k, out, in))."""
-        x = x.unsqueeze(1).expand(-1, ids.shape[1], -1) if x.dim() == 2 else x  # (N, k, in)
-        return torch.einsum("nki,nkoi->nko", x, self.weight[ids])
+        return through_experts(self, x, ids)
+
+    def gathered(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """The weights of the experts ids (N, k): (N, k, out, in)."""
+        return self.weight.view(self.n_experts, -1, self.weight.shape[-1])[ids]
 
     def expert(self, e: int, dtype: torch.dtype) -> Tensor:
-        """Expert e's weight (out, in) in dtype, as an nn.Linear would hold it."""
-        return self.weight[e].to(dtype)
+        """Expert e's weight (out, in) in dtype, as an nn.Linear holds it."""
+        return self.weight.view(self.n_experts, -1, self.weight.shape[-1])[e].to(dtype)
+
+
+def through_experts(layer: nn.Module, x: Tensor, ids: Tensor) -> Tensor:
+    """Token slot (n, j) through expert ids[n, j] of `layer`: x (N, in) or (N, k, in) -> (N, k, out),
+    reading only the chosen experts. Few slots (decode): their experts' weights are gathered,
+    static shapes for a compiled step. More slots than experts (a prompt, a wide batch): expert
+    by expert over the slots that chose it. A compiled graph cannot trace that loop: there it is
+    an opaque op, or, for quantize.py's layers, the gather, which reads their integers."""
+    N, k = ids.shape
+    x = x.unsqueeze(1).expand(N, k, x.shape[-1]) if x.dim() == 2 else x  # (N, k, in)
+    compiling = torch.compiler.is_compiling()
+    if N * k <= layer.n_experts or (compiling and type(layer) is not Experts):
+        return torch.einsum("nki,nkoi->nko", x, layer.gathered(ids, x.dtype))
+    if compiling:
+        return torch.ops.minillm_model.experts_grouped(x, ids, layer.weight, layer.n_experts)
+    return experts_grouped(x, ids, layer.expert)
+
+
+def experts_grouped(x: Tensor, ids: Tensor, weight_of) -> Tensor:
+    """x (N, k, in) times weight_of(ids[n, j], dtype) (out, in) for each slot, one product per
+    chosen expert: (N, k, out). An expert no slot chose is not read."""
+    flat = x.reshape(-1, x.shape[-1])  # (N * k, in)
+    slots = ids.flatten().argsort(stable=True)  # slots grouped by expert
+    counts = torch.bincount(ids.flatten()).tolist()  # slots per expert, up to the last one chosen
+    out, start = None, 0
+    for e, n in enumerate(counts):
+        if n:
+            chosen = slots[start:start + n]
+            y = F.linear(flat[chosen], weight_of(e, x.dtype))  # (n, out)
+            if out is None:
+                out = x.new_empty(flat.shape[0], y.shape[-1])
+            out[chosen] = y
+            start += n
+    return out.view(*ids.shape, -1)
+
+
+@torch.library.custom_op("minillm_model::experts_grouped", mutates_args=())
+def _experts_grouped_op(x: Tensor, ids: Tensor, weight: Tensor, n_experts: int) -> Tensor:
+    experts = weight.view(n_experts, -1, weight.shape[-1])
+    return experts_grouped(x, ids, lambda e, dtype: experts[e].to(dtype))
+
+
+@_experts_grouped_op.register_fake
+def _(x, ids, weight, n_experts):
+    return x.new_empty(ids.shape[0], ids.shape[1], weight.shape[0] // n_experts)
 
 
 class MoEFeedForward(nn.Module):
@@ -465,9 +512,9 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         hidden, E = args.moe_intermediate_size or args.intermediate_size, args.n_experts
         self.gate = nn.Linear(args.dim, E, bias=False)  # the router
-        self.w1, self.w3 = Experts(E, args.dim, hidden), Experts(E, args.dim, hidden)  # gate, up
-        self.w2 = Experts(E, hidden, args.dim)  # down
-        self.act, self.act_name = ACTIVATIONS[args.hidden_act], args.hidden_act
+        self.experts = nn.ModuleDict(dict(w1=Experts(E, args.dim, hidden), w3=Experts(E, args.dim, hidden),
+                                          w2=Experts(E, hidden, args.dim)))  # gate, up, down
+        self.act = ACTIVATIONS[args.hidden_act]
         self.top_k, self.norm_topk_prob = args.n_experts_per_token, args.norm_topk_prob
 
     def forward(self, x: Tensor) -> Tensor:
@@ -477,50 +524,10 @@ class MoEFeedForward(nn.Module):
         weights, ids = probs.topk(self.top_k, dim=-1)  # (N, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        compiling, float_experts = torch.compiler.is_compiling(), type(self.w1) is Experts
-        if x.shape[0] * self.top_k <= self.gate.out_features or (compiling and not float_experts):
-            # few tokens (decode): gather the chosen experts' weights, static shapes for a compiled
-            # step; also a compiled prompt through quantized experts, whose integers the gather reads
-            h = self.act(self.w1(x, ids)) * self.w3(x, ids)  # (N, k, hidden)
-            y = self.w2(h, ids)  # (N, k, dim)
-        elif compiling:  # a compiled graph cannot trace the data-dependent loop: there it is an opaque op
-            y = torch.ops.minillm_model.moe_grouped(x, ids, self.w1.weight, self.w3.weight, self.w2.weight,
-                                                    self.act_name)
-        else:  # many tokens (a prompt, a wide batch): each chosen expert runs on its own tokens
-            y = moe_grouped(x, ids, self.w1.expert, self.w3.expert, self.w2.expert, self.act)
-        return (y * weights.unsqueeze(-1)).sum(1).view(shape)
-
-
-def moe_grouped(x: Tensor, ids: Tensor, w1, w3, w2, act) -> Tensor:
-    """x (N, dim), each token slot of ids (N, k) through its expert: (N, k, dim), computed expert
-    by expert over the tokens that chose it. w1, w3, w2: expert e, dtype -> its weight (out, in)."""
-    N, k = ids.shape
-    slots = ids.flatten().argsort(stable=True)  # token slots grouped by expert
-    counts = torch.bincount(ids.flatten()).tolist()  # tokens per expert, up to the last one chosen
-    out, start = None, 0
-    for e, n in enumerate(counts):
-        if n:  # an expert no token chose is not read
-            chosen = slots[start:start + n]
-            xe = x[chosen // k]  # (n, dim)
-            y = F.linear(act(F.linear(xe, w1(e, x.dtype))) * F.linear(xe, w3(e, x.dtype)), w2(e, x.dtype))
-            if out is None:
-                out = x.new_empty(N * k, y.shape[-1])  # (N * k, dim)
-            out[chosen] = y
-            start += n
-    return out.view(N, k, -1)
-
-
-@torch.library.custom_op("minillm_model::moe_grouped", mutates_args=())
-def _moe_grouped_op(x: Tensor, ids: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, act: str) -> Tensor:
-    def expert(w):
-        return lambda e, dtype: w[e].to(dtype)
-    return moe_grouped(x, ids, expert(w1), expert(w3), expert(w2), ACTIVATIONS[act])
-
-
-@_moe_grouped_op.register_fake
-def _(x, ids, w1, w3, w2, act):
-    return x.new_empty(ids.shape[0], ids.shape[1], w2.shape[1])
+        experts = self.experts
+        h = self.act(experts["w1"](x, ids)) * experts["w3"](x, ids)  # (N, k, hidden)
+        y = experts["w2"](h, ids)  # (N, k, dim)
+        return (y * weights.to(y.dtype).unsqueeze(-1)).sum(1).view(shape)
 
 
 class TransformerBlock(nn.Module):

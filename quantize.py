@@ -23,9 +23,9 @@ in its 4-bit files). The token embedding (a lookup reads one row, but it is the 
 tensor) is int8 per row, except in int4 modes when the head is untied (Qwen2.5): there the
 table goes int4 in groups, which pays for the int8 head. A tied head shares the int8 table.
 Norms and biases stay in float. config.json's "quantization" records each choice ("embedding",
-"output"). A mixture's experts (model.Experts, weight (n_experts, out, in)) take the blocks' format
-with a leading expert dimension on every tensor; their router stays float, and int4-gptq rounds
-them to nearest (no per-expert Hessians are collected).
+"output"). A mixture's experts (model.Experts: every expert's rows in one matrix) take the blocks'
+format, stored as a linear layer's; their router stays float, and int4-gptq rounds them to
+nearest (no per-expert Hessians are collected).
 
 `SCHEMES` is the table of modes: each names a `Format` (how one matrix is stored, and the layers
 that read it) for the blocks, the head and the embedding. A new scheme is a new Format (its
@@ -49,7 +49,7 @@ import checkpoint
 import kernels
 import tp
 from errors import QuantizeError, run_cli
-from model import Experts
+from model import Experts, through_experts
 
 GROUPSIZES = (32, 64, 128, 256)  # the int4 kernel handles 32 and multiples of 64
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "macbeth.txt"
@@ -489,72 +489,73 @@ class Int8Embedding(QuantizedLayer):
 
 
 class Int8Experts(QuantizedLayer):
-    """model.Experts stored int8 per output channel of each expert: weight int8 (n_experts, out, in),
-    scales float32 (n_experts, out). The chosen experts' integers are gathered and dequantized
-    (fused into the product in a compiled step); a prompt dequantizes one chosen expert at a time."""
+    """model.Experts stored as Int8Linear's on-disk tensors: weight int8 (n_experts * out, in),
+    scales float32 (n_experts * out,). model.through_experts picks the path: the chosen experts'
+    integers gathered and dequantized (fused into the product in a compiled step), or, for a
+    prompt, one chosen expert dequantized at a time."""
 
-    def __init__(self, n_experts: int, in_features: int, out_features: int):
+    def __init__(self, n_experts: int, in_features: int, out_per_expert: int):
         super().__init__()
-        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
-        self.register_buffer("weight", torch.empty(n_experts, out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.empty(n_experts, out_features, dtype=torch.float32))
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, n_experts * out_per_expert
+        self.register_buffer("weight", torch.empty(self.out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(self.out_features, dtype=torch.float32))
 
     @classmethod
-    def like(cls, experts: nn.Module, groupsize: Optional[int] = None) -> "Int8Experts":
-        return cls(experts.n_experts, experts.in_features, experts.out_features)
+    def like(cls, experts: Experts, groupsize: Optional[int] = None) -> "Int8Experts":
+        return cls(experts.n_experts, experts.in_features, experts.out_features // experts.n_experts)
 
     def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
-        self.scales = self.scales.float()
+        self.scales = self.scales.float()  # the integers stay in their on-disk layout
 
     def forward(self, x: Tensor, ids: Tensor) -> Tensor:
-        """As model.Experts.forward: x (N, in) or (N, k, in), ids (N, k) -> (N, k, out)."""
-        x = x.unsqueeze(1).expand(-1, ids.shape[1], -1) if x.dim() == 2 else x  # (N, k, in)
-        w = self.weight[ids].float() * self.scales[ids][..., None]  # (N, k, out, in), only the chosen experts
-        return torch.einsum("nki,nkoi->nko", x.float(), w).to(x.dtype)
+        return through_experts(self, x, ids)
 
-    def expert(self, e: int, dtype: torch.dtype) -> Tensor:
-        return (self.weight[e].float() * self.scales[e][:, None]).to(dtype)
+    def gathered(self, ids: Tensor, dtype: torch.dtype) -> Tensor:  # (N, k, out, in)
+        q = self.weight.view(self.n_experts, -1, self.weight.shape[-1])[ids]
+        return (q.float() * self.scales.view(self.n_experts, -1)[ids][..., None]).to(dtype)
+
+    def expert(self, e: int, dtype: torch.dtype) -> Tensor:  # (out, in)
+        return self.gathered(torch.tensor(e), dtype)
 
 
 class Int4Experts(QuantizedLayer):
-    """model.Experts stored as Int4Linear's on-disk tensors with a leading expert dimension:
-    weight uint8 (n_experts, out, in_padded / 2), scales and zeros float16 (n_experts, out, groups)."""
+    """model.Experts stored as Int4Linear's on-disk tensors: weight uint8 (n_experts * out,
+    in_padded / 2), scales and zeros float16 (n_experts * out, groups); read as Int8Experts."""
     float_tensors = ("scales", "zeros")
 
-    def __init__(self, n_experts: int, in_features: int, out_features: int, groupsize: int):
+    def __init__(self, n_experts: int, in_features: int, out_per_expert: int, groupsize: int):
         super().__init__()
-        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, n_experts * out_per_expert
         self.groupsize, width = groupsize, padded_width(in_features, groupsize)
-        self.register_buffer("weight", torch.empty(n_experts, out_features, width // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.empty(n_experts, out_features, width // groupsize, dtype=torch.float16))
-        self.register_buffer("zeros", torch.empty(n_experts, out_features, width // groupsize, dtype=torch.float16))
+        self.register_buffer("weight", torch.empty(self.out_features, width // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(self.out_features, width // groupsize, dtype=torch.float16))
+        self.register_buffer("zeros", torch.empty(self.out_features, width // groupsize, dtype=torch.float16))
 
     @classmethod
-    def like(cls, experts: nn.Module, groupsize: Optional[int]) -> "Int4Experts":
-        return cls(experts.n_experts, experts.in_features, experts.out_features, groupsize)
+    def like(cls, experts: Experts, groupsize: Optional[int]) -> "Int4Experts":
+        return cls(experts.n_experts, experts.in_features, experts.out_features // experts.n_experts, groupsize)
 
     @property
-    def split_unit(self) -> int:
+    def split_unit(self) -> int:  # as Int4Linear: a split keeps groups whole
         return self.groupsize
 
     def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
-        pass  # stays in its on-disk layout: the gather unpacks the chosen experts' nibbles
+        pass  # the gather unpacks the chosen experts' nibbles from the on-disk layout
 
-    def dequantized(self, b: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
-        """uint8 (..., out, width / 2) and their (..., out, groups) -> float32 (..., out, in)."""
+    def forward(self, x: Tensor, ids: Tensor) -> Tensor:
+        return through_experts(self, x, ids)
+
+    def gathered(self, ids: Tensor, dtype: torch.dtype) -> Tensor:  # (N, k, out, in)
+        def per_expert(t):  # (n_experts * out, ...) -> the chosen experts' (..., out, ...)
+            return t.view(self.n_experts, -1, t.shape[-1])[ids]
+        b, scales, zeros = per_expert(self.weight), per_expert(self.scales), per_expert(self.zeros)
         q = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # (..., out, width), low nibble first
         groups = q.view(*q.shape[:-1], scales.shape[-1], -1)  # (..., out, groups, groupsize)
         w = groups.float() * scales.float()[..., None] + zeros.float()[..., None]
-        return w.flatten(-2)[..., :self.in_features]
+        return w.flatten(-2)[..., :self.in_features].to(dtype)
 
-    def forward(self, x: Tensor, ids: Tensor) -> Tensor:
-        """As model.Experts.forward: x (N, in) or (N, k, in), ids (N, k) -> (N, k, out)."""
-        x = x.unsqueeze(1).expand(-1, ids.shape[1], -1) if x.dim() == 2 else x  # (N, k, in)
-        w = self.dequantized(self.weight[ids], self.scales[ids], self.zeros[ids])  # (N, k, out, in)
-        return torch.einsum("nki,nkoi->nko", x.float(), w).to(x.dtype)
-
-    def expert(self, e: int, dtype: torch.dtype) -> Tensor:
-        return self.dequantized(self.weight[e], self.scales[e], self.zeros[e]).to(dtype)
+    def expert(self, e: int, dtype: torch.dtype) -> Tensor:  # (out, in)
+        return self.gathered(torch.tensor(e), dtype)
 
 
 def pack_int8_for_device(q: Tensor) -> Tensor:
@@ -620,8 +621,10 @@ SCHEMES = {
 
 
 def linear_names(model) -> list:
-    """The linear layers, block by block, then the head: the modules tp.PLAN splits, but the embedding."""
-    return [name for name, _ in model.named_modules() if tp.plan_kind(name) not in (None, "vocab_embedding")]
+    """The linear layers, block by block, then the head: the modules tp.PLAN splits, but the
+    embedding, and a mixture's experts."""
+    return [name for name, module in model.named_modules()
+            if tp.plan_kind(name) not in (None, "vocab_embedding") or is_experts(module)]
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -753,13 +756,10 @@ def quantize_state(model, mode: str, groupsize: int, hessians: Optional[dict] = 
     for name in progress(names, "GPTQ" if hessians else "quantizing", "layer"):
         w = state.pop(f"{name}.weight")
         fmt = layer_format(scheme, args, name)
-        if fmt.grouped and groupsize > w.shape[-1]:
-            raise QuantizeError(f"group size {groupsize} is larger than {name}'s {w.shape[-1]} inputs")
+        if fmt.grouped and groupsize > w.shape[1]:
+            raise QuantizeError(f"group size {groupsize} is larger than {name}'s {w.shape[1]} inputs")
         if hessians is not None and name in hessians:
             tensors = fmt.gptq(w, hessians[name], groupsize)
-        elif w.dim() == 3:  # experts: every expert's rows quantized as one matrix's, then split again
-            tensors = {k: t.view(w.shape[0], w.shape[1], *t.shape[1:])
-                       for k, t in fmt.quantize(w.reshape(-1, w.shape[-1]), groupsize).items()}
         else:
             tensors = fmt.quantize(w, groupsize)
         out.update({f"{name}.{tensor}": t for tensor, t in tensors.items()})

@@ -215,8 +215,8 @@ def poison_others(model, chosen: list):
     for layer, keep in zip(model.layers, chosen):
         ff = layer.feed_forward
         others = [e for e in range(ff.gate.out_features) if e not in keep]
-        for w in (ff.w1, ff.w2, ff.w3):
-            w.weight.data[others] = float("nan")
+        for w in ff.experts.values():
+            w.weight.data.view(w.n_experts, -1, w.in_features)[others] = float("nan")
 
 
 @pytest.mark.parametrize("batch, tokens_per_row", [(1, 20), (2, 12), (1, 1), (3, 1), (2, 7)])
@@ -304,14 +304,15 @@ def test_moe_quantized_experts_within_bound(mode, weight_bound, bound, tmp_path)
     src = save_checkpoint(model, tmp_path / "float")
     quantize.main(["--checkpoint", str(src), "--mode", mode, "--out", str(tmp_path / mode), "--groupsize", "32"])
     with safe_open(tmp_path / mode / "model.safetensors", "pt") as f:
-        w1 = f.get_tensor("layers.0.feed_forward.w1.weight")
+        w1 = f.get_tensor("layers.0.feed_forward.experts.w1.weight")
         assert w1.dtype == (torch.int8 if mode == "int8" else torch.uint8)
-        assert w1.shape == ((8, 64, 128) if mode == "int8" else (8, 64, 64))
+        assert w1.shape == ((8 * 64, 128) if mode == "int8" else (8 * 64, 64))
     quantized, reference = load_model(tmp_path / mode), load_model(src)
     for name in ("w1", "w3", "w2"):
-        q, w = getattr(quantized.layers[1].feed_forward, name), getattr(reference.layers[1].feed_forward, name).weight
+        q, w = quantized.layers[1].feed_forward.experts[name], reference.layers[1].feed_forward.experts[name]
         for e in range(8):
-            assert (q.expert(e, torch.float32) - w[e]).norm() / w[e].norm() < weight_bound, (name, e)
+            want = w.expert(e, torch.float32)
+            assert (q.expert(e, torch.float32) - want).norm() / want.norm() < weight_bound, (name, e)
     prompt = list(range(100, 140))
     for m in (quantized, reference):
         m.setup_caches(1, 64)
