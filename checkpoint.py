@@ -105,7 +105,8 @@ def read_model(checkpoint_dir, dtype: torch.dtype = torch.float32) -> Transforme
 
 
 def check_state(state: dict, args: ModelArgs) -> None:
-    """Names and shapes must be exactly those of Transformer(args), so that loading cannot surprise."""
+    """Names and shapes must be exactly those of Transformer(args), and every tensor floating point
+    (a converted model is not quantized), so that loading cannot surprise."""
     with torch.device("meta"):
         expected = expected_shapes(Transformer(args))
     check_names(state, expected, "the converted checkpoint")
@@ -113,6 +114,8 @@ def check_state(state: dict, args: ModelArgs) -> None:
         if tuple(state[name].shape) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(state[name].shape)}, "
                                   f"expected {tuple(shape)} from config.json")
+        if not state[name].is_floating_point():  # a float model's every tensor; read_weights would refuse it later
+            raise CheckpointError(f"tensor {name!r} is {state[name].dtype}, expected floating point")
 
 
 def write_json(path: Path, obj) -> None:

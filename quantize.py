@@ -642,7 +642,7 @@ def layer_format(scheme: Scheme, args, name: str) -> Format:
 def check_scheme(recorded: dict, args) -> Scheme:
     """The Scheme of a checkpoint's config.json "quantization", which must be one quantize.py makes."""
     mode = recorded.get("mode")
-    if mode not in SCHEMES:
+    if not isinstance(mode, str) or mode not in SCHEMES:  # a list or a dict from a damaged file is no key
         raise QuantizeError(f"unknown quantization mode {mode!r} (this version knows {', '.join(SCHEMES)})")
     scheme = SCHEMES[mode]
     for part, name in (("embedding", "tok_embeddings"), ("output", "output")):
@@ -650,7 +650,8 @@ def check_scheme(recorded: dict, args) -> Scheme:
         if recorded.get(part, made) != made:
             raise QuantizeError(f"unsupported quantization of the {part}: {recorded[part]!r} "
                                 f"(mode {mode} makes it {made})")
-    if scheme.grouped and recorded.get("groupsize") not in GROUPSIZES:
+    groupsize = recorded.get("groupsize")
+    if scheme.grouped and (type(groupsize) is not int or groupsize not in GROUPSIZES):  # 32.0 or true pass `in`
         raise QuantizeError(f"unsupported int4 group size {recorded.get('groupsize')!r} "
                             f"(choose from {', '.join(map(str, GROUPSIZES))})")
     return scheme

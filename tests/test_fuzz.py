@@ -155,7 +155,9 @@ def gguf_parts(path: Path) -> list:
 
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory):
-    """The seed GGUFs (bytes and layout) and a checkpoint converted from the qwen2 one."""
+    """The seed GGUFs (bytes and layout), the checkpoints converted from them, and the qwen2 one
+    quantized to int8."""
+    import quantize
     from convert_hf_checkpoint import convert_gguf
 
     root = tmp_path_factory.mktemp("seeds")
@@ -166,8 +168,10 @@ def seeds(tmp_path_factory):
     with time_limit():
         for arch in ("llama", "qwen2"):
             convert_gguf(root / f"{arch}.gguf", root / f"ckpt-{arch}")
+        quantize.main(["--checkpoint", str(root / "ckpt-qwen2"), "--mode", "int8", "--out", str(root / "ckpt-int8")])
     out["ckpt"] = root / "ckpt-qwen2"
     out["ckpt-spm"] = root / "ckpt-llama"
+    out["ckpt-int8"] = root / "ckpt-int8"
     return out
 
 
@@ -391,7 +395,8 @@ def corrupted_safetensors(draw, data: bytes):
     entry = header[draw(st.sampled_from(names))]
     key = draw(st.sampled_from(["dtype", "shape", "data_offsets", "drop", "extra"]))
     if key == "dtype":  # half the time one of the same width, which the file's own checks let through
-        same_width = {"F32": ["I32", "U32"], "F16": ["BF16", "I16", "U16"]}[entry["dtype"]]
+        same_width = {"F32": ["I32", "U32"], "F16": ["BF16", "I16", "U16"], "BF16": ["F16", "I16"],
+                      "I8": ["U8", "BOOL", "F8_E4M3"]}.get(entry["dtype"], SAFETENSORS_DTYPES)
         entry["dtype"] = draw(st.sampled_from(same_width) | st.sampled_from(SAFETENSORS_DTYPES) | JSON_VALUES)
     elif key == "shape":
         entry["shape"] = draw(st.lists(st.sampled_from([0, 1, 2, 16, 31, 32, -1, 2 ** 31, 2 ** 63, 2 ** 64 - 1])
@@ -409,8 +414,9 @@ def corrupted_safetensors(draw, data: bytes):
 
 
 @pytest.mark.parametrize("examples", EXAMPLES)
-def test_corrupted_safetensors_loads_or_fails_in_one_line(seeds, tmp_path, examples):
-    ckpt = copy_checkpoint(seeds["ckpt"], tmp_path / "ckpt")
+@pytest.mark.parametrize("kind", ["ckpt", "ckpt-int8"])
+def test_corrupted_safetensors_loads_or_fails_in_one_line(seeds, tmp_path, kind, examples):
+    ckpt = copy_checkpoint(seeds[kind], tmp_path / "ckpt")
     data = (ckpt / "model.safetensors").read_bytes()
 
     @fuzz_settings(examples)
@@ -420,6 +426,101 @@ def test_corrupted_safetensors_loads_or_fails_in_one_line(seeds, tmp_path, examp
         loads_or_one_line_error(load_and_run, ckpt)
 
     check()
+
+
+# ---------------------------------------------------------------- Hugging Face weights
+
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": DIM, "intermediate_size": FFN,
+             "num_hidden_layers": N_LAYERS, "num_attention_heads": N_HEADS, "num_key_value_heads": N_KV_HEADS,
+             "vocab_size": 32}
+
+
+def write_hf_checkpoint(path: Path, shards: int) -> None:
+    """A tiny Llama in Hugging Face's layout: config.json and model.safetensors, or `shards` files
+    and model.safetensors.index.json."""
+    from safetensors.torch import save_file
+
+    head_dim = DIM // N_HEADS
+    shapes = {"model.embed_tokens.weight": (32, DIM), "model.norm.weight": (DIM,), "lm_head.weight": (32, DIM)}
+    for i in range(N_LAYERS):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (N_HEADS * head_dim, DIM), p + "self_attn.k_proj.weight": (N_KV_HEADS * head_dim, DIM),
+            p + "self_attn.v_proj.weight": (N_KV_HEADS * head_dim, DIM), p + "self_attn.o_proj.weight": (DIM, DIM),
+            p + "mlp.gate_proj.weight": (FFN, DIM), p + "mlp.up_proj.weight": (FFN, DIM), p + "mlp.down_proj.weight": (DIM, FFN),
+            p + "input_layernorm.weight": (DIM,), p + "post_attention_layernorm.weight": (DIM,)})
+    torch.manual_seed(0)
+    tensors = {name: torch.randn(shape) for name, shape in shapes.items()}
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(HF_CONFIG))
+    if shards == 1:
+        save_file(tensors, str(path / "model.safetensors"))
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for k in range(shards):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({name: tensors[name] for name in names[k::shards]}, str(path / file))
+        weight_map.update({name: file for name in names[k::shards]})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@st.composite
+def corrupted_hf_checkpoint(draw, files: dict):
+    """One weight file corrupted as our own, or the index's weight map given wrong file names."""
+    files = dict(files)
+    index = "model.safetensors.index.json"
+    name = draw(st.sampled_from(sorted(files)))
+    if name != index:
+        files[name] = draw(corrupted_safetensors(files[name]))
+        return files
+    obj = json.loads(files[index])
+    kind = draw(st.sampled_from(["file", "file", "map", "drop"]))
+    if kind == "file":
+        tensor = draw(st.sampled_from(sorted(obj["weight_map"])))
+        obj["weight_map"][tensor] = draw(st.sampled_from(["", ".", "..", "../config.json", "/etc/passwd",
+                                                          "config.json", "missing.safetensors"]) | JSON_VALUES)
+    elif kind == "map":
+        obj["weight_map"] = draw(JSON_VALUES)
+    else:
+        obj["weight_map"].pop(draw(st.sampled_from(sorted(obj["weight_map"]))))
+    files[index] = json.dumps(obj).encode()
+    return files
+
+
+@pytest.mark.parametrize("examples", EXAMPLES)
+@pytest.mark.parametrize("shards", [1, 2])
+def test_corrupted_hf_weights_convert_or_fail_in_one_line(tmp_path, shards, examples):
+    from convert_hf_checkpoint import convert_hf_checkpoint
+
+    src, hf, out = tmp_path / "src", tmp_path / "hf", tmp_path / "ckpt" / "out"
+    write_hf_checkpoint(src, shards)
+    files = {p.name: p.read_bytes() for p in src.iterdir() if p.name != "config.json"}
+    out.parent.mkdir()
+
+    @fuzz_settings(examples // 2)
+    @given(corrupted_hf_checkpoint(files))
+    def check(corrupted):
+        shutil.rmtree(hf, ignore_errors=True)
+        shutil.copytree(src, hf)
+        for name, data in corrupted.items():
+            (hf / name).write_bytes(data)
+        if loads_or_one_line_error(convert_hf_checkpoint, hf, out) is None:
+            load_and_run_weights(out)
+            shutil.rmtree(out)
+        no_leftovers(out)
+
+    check()
+
+
+def load_and_run_weights(ckpt: Path):
+    """A converted checkpoint without tokenizer files: its weights load and run one step."""
+    from engine import load_model
+
+    model = load_model(ckpt, fast_kernels=False)
+    model.setup_caches(1, 4)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2]]), torch.arange(2))
 
 
 # ---------------------------------------------------------------- config.json
@@ -440,16 +541,20 @@ def corrupted_config(draw, config: dict):
             config.pop(name)
         else:
             config[draw(st.text(max_size=6))] = draw(JSON_VALUES)
-    if draw(st.booleans()) and isinstance(config.get("rope_scaling"), dict):
-        config["rope_scaling"] = {**config["rope_scaling"],
-                                  draw(st.sampled_from(["rope_type", "factor", "original_max_position_embeddings",
-                                                        "low_freq_factor", "high_freq_factor"])): draw(JSON_VALUES)}
+    nested = {"rope_scaling": ["rope_type", "factor", "original_max_position_embeddings", "low_freq_factor",
+                               "high_freq_factor"],
+              "quantization": ["mode", "embedding", "output", "groupsize", "padded"]}
+    name = draw(st.sampled_from(sorted(nested)))
+    if draw(st.booleans()) and isinstance(config.get(name), dict):  # a value inside rope_scaling or quantization
+        value = draw(JSON_VALUES | st.sampled_from(["int4", "int8", "int4-gptq", "float", "linear", "yarn", "llama3"]))
+        config[name] = {**config[name], draw(st.sampled_from(nested[name])): value}
     return draw(st.sampled_from([config] * 8 + [[config], None]))
 
 
 @pytest.mark.parametrize("examples", EXAMPLES)
-def test_corrupted_config_loads_or_fails_in_one_line(seeds, tmp_path, examples):
-    ckpt = copy_checkpoint(seeds["ckpt"], tmp_path / "ckpt")
+@pytest.mark.parametrize("kind", ["ckpt", "ckpt-int8"])
+def test_corrupted_config_loads_or_fails_in_one_line(seeds, tmp_path, kind, examples):
+    ckpt = copy_checkpoint(seeds[kind], tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
 
     @fuzz_settings(examples)
