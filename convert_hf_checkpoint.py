@@ -53,6 +53,7 @@ HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}  # model_type -> ours, where it differs from our name
 GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
@@ -171,6 +172,11 @@ def listed_layers_slide(cfg: dict, n_layers: int) -> tuple:
     return cfg.get("sliding_window"), cfg.get("layer_types")
 
 
+def layer_types_slide(cfg: dict, n_layers: int) -> tuple:
+    """gpt-oss: config.json's layer_types says which layers slide."""
+    return cfg.get("sliding_window"), cfg.get("layer_types")
+
+
 def every_nth_layer_global(cfg: dict, n_layers: int) -> tuple:
     """Gemma 2/3: sliding_window_pattern - 1 sliding layers, then one global, repeated."""
     every = int(cfg["sliding_window_pattern"])
@@ -199,6 +205,13 @@ def nope_layers(cfg: dict) -> dict:
     n, every = int(cfg["num_hidden_layers"]), int(cfg.get("no_rope_layer_interval", 4))
     flags = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
     return dict(nope_layers=[i for i, use_rope in enumerate(flags) if not use_rope])
+
+
+def gpt_oss_fields(cfg: dict) -> dict:
+    """Biases on q/k/v and o alike, attention sinks, experts with biases and the clamped SwiGLU;
+    the router's softmax over its top-k logits equals renormalized top-k probabilities."""
+    return dict(moe_fields(True)(cfg), attention_out_bias=bool(cfg["attention_bias"]), attention_sinks=True,
+                moe_bias=True, swiglu_limit=float(cfg["swiglu_limit"]), swiglu_alpha=float(cfg["swiglu_alpha"]))
 
 
 def granite_multipliers(cfg: dict) -> dict:
@@ -263,6 +276,8 @@ ARCHITECTURE_DEFAULTS = {
     "qwen3_moe": Architecture(args=dict(qk_norm=True), windows=upper_layers_slide, fields=moe_fields(False),
                               experts=("mlp", "gate_proj", "up_proj", "down_proj"),
                               requires=dict(attention_bias=False, mlp_only_layers=[], decoder_sparse_step=1)),
+    "gpt_oss": Architecture(windows=layer_types_slide, fields=gpt_oss_fields, experts=("mlp",),
+                            defaults=dict(attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)),
 }
 
 
@@ -467,7 +482,13 @@ def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
         for kind in ("weight", "bias") if args.attention_bias else ("weight",):
             q, k, v = (take(prefix + f"self_attn.{x}_proj.{kind}") for x in "qkv")
             out[prefix + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"model.{prefix}self_attn.*_proj.{kind}")
-        if family.experts:  # one tensor per expert -> their rows stacked (n_experts * out, in)
+        if args.attention_out_bias:
+            out[prefix + "attention.wo.bias"] = take(prefix + "self_attn.o_proj.bias")
+        if args.attention_sinks:
+            out[prefix + "attention.sinks"] = take(prefix + "self_attn.sinks")
+        if args.moe_bias:  # gpt-oss: every expert in one tensor, gate and up interleaved
+            out.update(gpt_oss_experts(take, prefix, args))
+        elif family.experts:  # one tensor per expert -> their rows stacked (n_experts * out, in)
             module, *names = family.experts
             out[prefix + "feed_forward.gate.weight"] = take(prefix + f"{module}.gate.weight")
             for hf_name, ours in zip(names, ("w1", "w3", "w2")):
@@ -478,6 +499,39 @@ def hf_to_ours(hf: dict, args: ModelArgs) -> dict:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         raise ConvertError(f"checkpoint has tensors this architecture does not use: {', '.join(names[:3])}{more}")
     return out
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OCP MXFP4 (gpt-oss's expert weights) -> float32: blocks uint8 (E, out, groups, 16) hold two
+    e2m1 values per byte (low nibble first), 32 per group, times 2 ** (scales - 127) of their group.
+    Returned as the unquantized tensor is stored: (E, in, out)."""
+    lut = torch.tensor(FP4_VALUES)
+    values = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)  # (E, out, G, 32)
+    w = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return w.flatten(-2).transpose(1, 2)  # (E, in, out)
+
+
+def gpt_oss_experts(take: Callable, prefix: str, args: ModelArgs) -> dict:
+    """gpt-oss's experts -> ours: gate_up_proj (E, dim, 2 * hidden), gate and up columns
+    interleaved, and down_proj (E, hidden, dim), as float or as MXFP4 blocks and scales."""
+    def dense(name):
+        try:
+            return take(prefix + f"mlp.experts.{name}")
+        except ConvertError:  # the released checkpoints: MXFP4, dequantized here
+            return mxfp4_to_float(take(prefix + f"mlp.experts.{name}_blocks"), take(prefix + f"mlp.experts.{name}_scales"))
+
+    gate_up, down = dense("gate_up_proj"), dense("down_proj")
+    gate_up_bias, ours = take(prefix + "mlp.experts.gate_up_proj_bias"), prefix + "feed_forward."
+    return {ours + "gate.weight": take(prefix + "mlp.router.weight"), ours + "gate.bias": take(prefix + "mlp.router.bias"),
+            ours + "experts.w1.weight": gate_up[..., ::2].transpose(1, 2).reshape(-1, args.dim),
+            ours + "experts.w3.weight": gate_up[..., 1::2].transpose(1, 2).reshape(-1, args.dim),
+            ours + "experts.w2.weight": down.transpose(1, 2).reshape(args.n_experts * args.dim, -1),
+            ours + "experts.w1.bias": gate_up_bias[:, ::2].reshape(-1),
+            ours + "experts.w3.bias": gate_up_bias[:, 1::2].reshape(-1),
+            ours + "experts.w2.bias": take(prefix + "mlp.experts.down_proj_bias").reshape(-1)}
 
 
 def convert_hf_checkpoint(checkpoint_dir, out_dir) -> Path:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "qwen3", "olmo2", "smollm3",
-                 "granite", "phi3", "mixtral", "qwen3_moe")
+                 "granite", "phi3", "mixtral", "qwen3_moe", "gpt_oss")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
@@ -142,6 +142,12 @@ class ModelArgs:
     n_experts_per_token: int = 2
     moe_intermediate_size: Optional[int] = None  # each expert's hidden width; None: intermediate_size
     norm_topk_prob: bool = True  # chosen probabilities rescaled to sum to 1 (Mixtral; Qwen3-MoE per config)
+    moe_bias: bool = False  # the router and every expert carry biases (gpt-oss)
+    # gpt-oss's SwiGLU: gate clamped to <= limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
+    attention_out_bias: bool = False  # wo carries a bias too (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per head joins each softmax over the keys (gpt-oss)
     rope_local_theta: Optional[float] = None  # RoPE base of sliding layers, unscaled; None: as global (Gemma 3)
     bos_token_id: Optional[int] = None
     eos_token_ids: list = field(default_factory=list)  # generation stops at any of these
@@ -361,7 +367,8 @@ class Attention(nn.Module):
         self.sliding, self.rope = sliding, rope
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.attention_bias)  # q, k, v fused: one matmul
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.attention_out_bias)
+        self.sinks = nn.Parameter(torch.zeros(args.n_heads)) if args.attention_sinks else None
         self.qk_norm_full_width = args.qk_norm_full_width
         q_width, k_width = (args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim) \
             if args.qk_norm_full_width else (args.head_dim, args.head_dim)
@@ -398,7 +405,20 @@ class Attention(nn.Module):
         if last_logits_only:
             q, mask, T = q[:, :, -1:], None if mask is None else mask[:, :, -1:], 1
         y = self.attend(q, k, v, mask, rows)  # (B, n_heads, T, head_dim)
+        if self.sinks is not None:  # the sink's exp(logit) joins the softmax's sum: every weight shrinks
+            y = y * torch.sigmoid(self.logsumexp(q, k, mask, rows) - self.sinks.view(1, -1, 1, 1)).type_as(y)
         return self.wo(y.transpose(1, 2).reshape(B, T, nh * hd))
+
+    def logsumexp(self, q: Tensor, k: Tensor, mask: Optional[Tensor], rows: Optional[Tensor]) -> Tensor:
+        """log of the softmax's sum over the keys attend() weighs, per query: (B, n_heads, T, 1) float32."""
+        if rows is not None:
+            k = k[rows]
+        B, nh, T, hd = q.shape
+        scores = q.reshape(B, k.shape[1], -1, hd) @ k.transpose(-2, -1)  # (B, n_kv_heads, group*T, S)
+        scores = scores.float().view(B, nh, T, -1) * (self.scale or hd ** -0.5)  # (B, n_heads, T, S)
+        if mask is None:  # a whole sequence from slot 0: causal
+            mask = torch.full((T, T), float("-inf"), device=q.device).triu(1)
+        return torch.logsumexp(scores + mask.float(), dim=-1, keepdim=True)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], rows: Optional[Tensor] = None) -> Tensor:
         """softmax(scale * q k^T + mask) v: q (B, n_heads, T, head_dim), k and v
@@ -441,10 +461,11 @@ class Experts(nn.Module):
     (e + 1) * out are expert e's, so quantize.py and tp.py treat it like a linear layer's weight
     (in_features, out_features: the matrix's). quantize.py's experts layers answer the same calls."""
 
-    def __init__(self, n_experts: int, in_features: int, out_per_expert: int):
+    def __init__(self, n_experts: int, in_features: int, out_per_expert: int, bias: bool = False):
         super().__init__()
         self.n_experts, self.in_features, self.out_features = n_experts, in_features, n_experts * out_per_expert
         self.weight = nn.Parameter(torch.empty(n_experts * out_per_expert, in_features))
+        self.bias = nn.Parameter(torch.empty(n_experts * out_per_expert)) if bias else None
 
     def forward(self, x: Tensor, ids: Tensor) -> Tensor:
         return through_experts(self, x, ids)
@@ -468,10 +489,14 @@ def through_experts(layer: nn.Module, x: Tensor, ids: Tensor) -> Tensor:
     x = x.unsqueeze(1).expand(N, k, x.shape[-1]) if x.dim() == 2 else x  # (N, k, in)
     compiling = torch.compiler.is_compiling()
     if N * k <= layer.n_experts or (compiling and type(layer) is not Experts):
-        return torch.einsum("nki,nkoi->nko", x, layer.gathered(ids, x.dtype))
-    if compiling:
-        return torch.ops.minillm_model.experts_grouped(x, ids, layer.weight, layer.n_experts)
-    return experts_grouped(x, ids, layer.expert)
+        y = torch.einsum("nki,nkoi->nko", x, layer.gathered(ids, x.dtype))
+    elif compiling:
+        y = torch.ops.minillm_model.experts_grouped(x, ids, layer.weight, layer.n_experts)
+    else:
+        y = experts_grouped(x, ids, layer.expert)
+    if layer.bias is not None:
+        y = y + layer.bias.view(layer.n_experts, -1)[ids].to(y.dtype)  # (N, k, out)
+    return y
 
 
 def experts_grouped(x: Tensor, ids: Tensor, weight_of) -> Tensor:
@@ -511,11 +536,13 @@ class MoEFeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         hidden, E = args.moe_intermediate_size or args.intermediate_size, args.n_experts
-        self.gate = nn.Linear(args.dim, E, bias=False)  # the router
-        self.experts = nn.ModuleDict(dict(w1=Experts(E, args.dim, hidden), w3=Experts(E, args.dim, hidden),
-                                          w2=Experts(E, hidden, args.dim)))  # gate, up, down
+        self.gate = nn.Linear(args.dim, E, bias=args.moe_bias)  # the router
+        bias = args.moe_bias
+        self.experts = nn.ModuleDict(dict(w1=Experts(E, args.dim, hidden, bias), w3=Experts(E, args.dim, hidden, bias),
+                                          w2=Experts(E, hidden, args.dim, bias)))  # gate, up, down
         self.act = ACTIVATIONS[args.hidden_act]
         self.top_k, self.norm_topk_prob = args.n_experts_per_token, args.norm_topk_prob
+        self.swiglu_limit, self.swiglu_alpha = args.swiglu_limit, args.swiglu_alpha
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -525,9 +552,15 @@ class MoEFeedForward(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         experts = self.experts
-        h = self.act(experts["w1"](x, ids)) * experts["w3"](x, ids)  # (N, k, hidden)
+        h = self.glu(experts["w1"](x, ids), experts["w3"](x, ids))  # (N, k, hidden)
         y = experts["w2"](h, ids)  # (N, k, dim)
         return (y * weights.to(y.dtype).unsqueeze(-1)).sum(1).view(shape)
+
+    def glu(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.swiglu_limit is None:
+            return self.act(gate) * up
+        gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.swiglu_alpha)
 
 
 class TransformerBlock(nn.Module):

@@ -494,15 +494,17 @@ class Int8Experts(QuantizedLayer):
     integers gathered and dequantized (fused into the product in a compiled step), or, for a
     prompt, one chosen expert dequantized at a time."""
 
-    def __init__(self, n_experts: int, in_features: int, out_per_expert: int):
+    def __init__(self, n_experts: int, in_features: int, out_per_expert: int, bias: bool = False):
         super().__init__()
         self.n_experts, self.in_features, self.out_features = n_experts, in_features, n_experts * out_per_expert
         self.register_buffer("weight", torch.empty(self.out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.empty(self.out_features, dtype=torch.float32))
+        self.register_buffer("bias", torch.empty(self.out_features) if bias else None)
 
     @classmethod
     def like(cls, experts: Experts, groupsize: Optional[int] = None) -> "Int8Experts":
-        return cls(experts.n_experts, experts.in_features, experts.out_features // experts.n_experts)
+        return cls(experts.n_experts, experts.in_features, experts.out_features // experts.n_experts,
+                   experts.bias is not None)
 
     def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
         self.scales = self.scales.float()  # the integers stay in their on-disk layout
@@ -523,17 +525,19 @@ class Int4Experts(QuantizedLayer):
     in_padded / 2), scales and zeros float16 (n_experts * out, groups); read as Int8Experts."""
     float_tensors = ("scales", "zeros")
 
-    def __init__(self, n_experts: int, in_features: int, out_per_expert: int, groupsize: int):
+    def __init__(self, n_experts: int, in_features: int, out_per_expert: int, groupsize: int, bias: bool = False):
         super().__init__()
         self.n_experts, self.in_features, self.out_features = n_experts, in_features, n_experts * out_per_expert
         self.groupsize, width = groupsize, padded_width(in_features, groupsize)
         self.register_buffer("weight", torch.empty(self.out_features, width // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.empty(self.out_features, width // groupsize, dtype=torch.float16))
         self.register_buffer("zeros", torch.empty(self.out_features, width // groupsize, dtype=torch.float16))
+        self.register_buffer("bias", torch.empty(self.out_features) if bias else None)
 
     @classmethod
     def like(cls, experts: Experts, groupsize: Optional[int]) -> "Int4Experts":
-        return cls(experts.n_experts, experts.in_features, experts.out_features // experts.n_experts, groupsize)
+        return cls(experts.n_experts, experts.in_features, experts.out_features // experts.n_experts, groupsize,
+                   experts.bias is not None)
 
     @property
     def split_unit(self) -> int:  # as Int4Linear: a split keeps groups whole

@@ -20,9 +20,9 @@ import transformers  # noqa: F401 -- the oracle: a test environment without it f
 
 import kernels
 from conftest import random_model
-from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args
-from engine import BatchEngine, Engine, Request, Sampling
-from model import MoEFeedForward
+from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
+from engine import BatchEngine, Engine, Request, Sampling, load_model
+from model import MoEFeedForward, Transformer
 from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, load_hf, load_ours,
                             max_diff, tokens)
 
@@ -61,6 +61,10 @@ CASES = {
                                                     moe_intermediate_size=48, norm_topk_prob=True)),
     "qwen3_moe_top4_unnormalized": ("qwen3_moe", dict(num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
                                                       moe_intermediate_size=32, norm_topk_prob=False)),
+    # attention sinks, biases everywhere, sliding and full layers alternating (windows shorter than
+    # the prompt), YaRN, experts with biases and a SwiGLU clamp low enough to bite
+    "gpt_oss_sinks_clamp": ("gpt_oss", dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                                            intermediate_size=48, sliding_window=8, swiglu_limit=1.0)),
 }
 
 
@@ -83,12 +87,15 @@ def case(request, tmp_path_factory):
     return request.param, *convert(request.param, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.mark.parametrize("fast_paths", [False, True], ids=["reference", "kernels-installed"])
 @torch.inference_mode()
-def test_prefill_and_cached_decode_match_hf(case):
+def test_prefill_and_cached_decode_match_hf(case, fast_paths):
     """The prefill's logits, then one token per step through both KV caches (past LongRoPE's
-    switch length where the case has one)."""
+    switch length where the case has one); also with kernels.py's CPU paths installed."""
     name, hf_dir, our_dir = case
     hf, ours = load_hf(hf_dir), load_ours(our_dir)
+    if fast_paths:
+        kernels.install(ours)
     ids = tokens(PROMPT_LEN + DECODE_STEPS, seed=2)
     out = hf(ids[:, :PROMPT_LEN], use_cache=True)
     assert out.logits.std() > 0.5, "logits too small for the tolerance to mean anything"
@@ -147,6 +154,8 @@ MISTAKES = {  # name -> (case, change to our config.json)
     "longrope_never_long": ("phi3_longrope", dict(rope_scaling=dict(longrope(), original_max_position_embeddings=10**6))),
     "longrope_always_long": ("phi3_longrope", dict(rope_scaling=dict(longrope(), original_max_position_embeddings=2))),
     "topk_not_renormalized": ("qwen3_moe_top3_normalized", dict(norm_topk_prob=False)),
+    "swiglu_clamp_ignored": ("gpt_oss_sinks_clamp", dict(swiglu_limit=None)),
+    "sinks_ignored": ("gpt_oss_sinks_clamp", {}),  # the sinks' logits set to -inf below
 }
 
 
@@ -161,6 +170,9 @@ def test_comparison_detects_mistakes(mistake, tmp_path):
         config["rope_scaling"]["attention_factor"] = math.sqrt(1 + math.log(192 / 48) / math.log(48))
     (our_dir / "config.json").write_text(json.dumps(config))
     hf, ours = load_hf(hf_dir), load_ours(our_dir)
+    if mistake == "sinks_ignored":
+        for layer in ours.layers:
+            layer.attention.sinks.fill_(float("-inf"))
     ids = tokens(PROMPT_LEN + DECODE_STEPS, seed=2)
     out = hf(ids[:, :PROMPT_LEN], use_cache=True)
     diffs = [max_diff(ours(ids[:, :PROMPT_LEN], torch.arange(PROMPT_LEN)), out.logits)]
@@ -323,3 +335,50 @@ def test_moe_quantized_experts_within_bound(mode, weight_bound, bound, tmp_path)
     eager = generate(Engine(quantized), [prompt[:20]], 12, 64)
     compiled = Engine(quantized, compile=True, compile_prefill=True)
     assert generate(compiled, [prompt[:20]], 12, 64) == eager  # 20 tokens: the chosen experts' integers gathered
+
+
+def test_moe_tp2_matches_single_process(tmp_path):
+    """2 ranks, each with its part of every expert's hidden dimension: the logits of a left-padded
+    batch (prompt slots grouped by expert, decode steps gathered) and int8 experts equal one
+    process's within 1e-4, and the compiled decode step gives its greedy tokens."""
+    from conftest import save_checkpoint
+    from test_tp import PROMPTS_B2, STEPS, assert_matches_single_process, quantized, run_worker
+    ckpt = save_checkpoint(tiny_moe(seed=4, intermediate_size=96, n_experts=8, n_experts_per_token=2), tmp_path / "moe")
+    int8 = quantized(ckpt)
+    cases = [dict(name="moe", checkpoint=str(ckpt), prompts=PROMPTS_B2, steps=STEPS),
+             dict(name="moe-int8", checkpoint=str(int8), prompts=PROMPTS_B2, steps=STEPS, float_activations=True),
+             dict(name="moe-compiled", checkpoint=str(ckpt), prompts=PROMPTS_B2, steps=STEPS, compile=True)]
+    results = run_worker(2, cases, tmp_path)
+    for case in cases[:2]:
+        assert_matches_single_process(case, results[case["name"]])
+    from tp_worker import run_case
+    reference = run_case(load_model(ckpt), PROMPTS_B2, STEPS)
+    assert torch.equal(results["moe-compiled"]["tokens"], reference["tokens"])
+
+
+def test_moe_tp_plan_splits_every_experts_hidden_dim():
+    """Rank r of 2 holds hidden features [48 r, 48 r + 48) of each of the 8 experts: rows of w1 and
+    w3, columns of w2, whose output is all-reduced; the router is replicated."""
+    from tp import TensorParallel
+    with torch.device("meta"):
+        model = Transformer(tiny_moe(intermediate_size=96).args)
+    tp = TensorParallel(1, 2, group_name="unused")
+    tp.shard_modules(model)
+    experts = model.layers[0].feed_forward.experts
+    assert experts["w1"].weight.shape == experts["w3"].weight.shape == (8 * 48, 64)
+    assert experts["w2"].weight.shape == (8 * 64, 48)
+    assert tp.shards["layers.0.feed_forward.experts.w1"].ranges == [(96 * e + 48, 96 * e + 96) for e in range(8)]
+    assert tp.shards["layers.0.feed_forward.experts.w2"].rowwise
+    assert model.layers[0].feed_forward.gate.weight.shape == (8, 64)
+
+
+def test_mxfp4_experts_dequantize_as_transformers_does():
+    """gpt-oss's released experts are MXFP4 blocks and scales; the converter's dequantization
+    equals transformers' own, in the orientation of the float checkpoint (E, in, out)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)  # 3 experts, 8 rows, 64 inputs
+    scales = torch.randint(118, 136, (3, 8, 2), generator=g, dtype=torch.uint8)
+    got = mxfp4_to_float(blocks, scales)
+    assert got.shape == (3, 64, 8)
+    assert torch.equal(got, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
