@@ -31,8 +31,8 @@ def read_config(checkpoint_dir) -> ModelArgs:
     ckpt = require_dir(checkpoint_dir)
     try:
         return ModelArgs.from_json(ckpt / CONFIG)
-    except (ValueError, TypeError) as e:  # model.py's ConfigError is a ValueError
-        raise ConfigError(f"{ckpt}/{CONFIG}: {e}") from None
+    except (ValueError, TypeError, OSError) as e:  # model.py's ConfigError is a ValueError; OSError: unreadable
+        raise ConfigError(f"{ckpt}/{CONFIG}: {one_line(e)}") from None
 
 
 class ExpectedShapes(dict):

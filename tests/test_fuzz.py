@@ -121,14 +121,21 @@ def gguf_spec(arch: str) -> tuple[dict, dict]:
 
 
 def write_gguf(path: Path, meta: dict, tensors: dict) -> bytes:
+    """The GGUF file of gguf_spec's (metadata, tensors); ffn_down goes in Q8_0 blocks while it is a
+    float matrix whose rows fill whole blocks, so that dequantization meets a quantized type."""
     import gguf
+    from gguf.quants import quantize
 
     writer = gguf.GGUFWriter(str(path), "unused")
     writer.kv_data[0].clear()  # the architecture comes from meta like every other key
     for key, (vtype, value) in meta.items():
         writer.add_key_value(key, value, vtype)
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
     for name, t in tensors.items():
-        writer.add_tensor(name, t)
+        if name.endswith("ffn_down.weight") and t.dtype == np.float32 and t.ndim == 2 and t.shape[1] % 32 == 0:
+            writer.add_tensor(name, quantize(t, q8_0), raw_dtype=q8_0)
+        else:
+            writer.add_tensor(name, t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -394,7 +401,7 @@ def corrupted_safetensors(draw, data: bytes):
         return safetensors_bytes(header, body)
     entry = header[draw(st.sampled_from(names))]
     key = draw(st.sampled_from(["dtype", "shape", "data_offsets", "drop", "extra"]))
-    if key == "dtype":  # half the time one of the same width, which the file's own checks let through
+    if key == "dtype":  # often one of the same width, which the file's own checks let through
         same_width = {"F32": ["I32", "U32"], "F16": ["BF16", "I16", "U16"], "BF16": ["F16", "I16"],
                       "I8": ["U8", "BOOL", "F8_E4M3"]}.get(entry["dtype"], SAFETENSORS_DTYPES)
         entry["dtype"] = draw(st.sampled_from(same_width) | st.sampled_from(SAFETENSORS_DTYPES) | JSON_VALUES)
@@ -750,3 +757,34 @@ def test_interrupted_write_leaves_nothing(seeds, tmp_path, capsys):
         run_cli(main, [])
     assert exit.value.code == 130 and capsys.readouterr().err == "interrupted\n"
     no_leftovers(tmp_path / "out" / "other")
+
+
+def test_ctrl_c_during_conversion_or_quantization_leaves_no_partial_checkpoint(seeds, tmp_path):
+    """The scripts themselves, with SIGINT arriving just after model.safetensors is written (the
+    write is wrapped to send it, so the moment is exact): exit status 130, `interrupted`, no
+    temporary directory, and the previous output untouched."""
+    write_gguf(tmp_path / "tiny.gguf", *gguf_spec("qwen2"))
+    outs = {name: tmp_path / "out" / name for name in ("convert", "quantize")}
+    for out in outs.values():
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("the previous output")
+    argvs = {"convert": ["convert_hf_checkpoint.py", "--gguf", tmp_path / "tiny.gguf", "--out", outs["convert"]],
+             "quantize": ["quantize.py", "--checkpoint", seeds["ckpt"], "--mode", "int8", "--out", outs["quantize"],
+                          "--force"]}
+    wrapper = ("import os, runpy, signal, sys\n"
+               "import safetensors.torch\n"
+               "save_file = safetensors.torch.save_file\n"
+               "def save_then_ctrl_c(*args, **kwargs):\n"
+               "    save_file(*args, **kwargs)\n"
+               "    os.kill(os.getpid(), signal.SIGINT)\n"
+               "safetensors.torch.save_file = save_then_ctrl_c\n"
+               "sys.argv = sys.argv[1:]\n"
+               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    procs = {name: subprocess.Popen([sys.executable, "-c", wrapper, *map(str, argv)], cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, argv in argvs.items()}
+    for name, proc in procs.items():
+        _, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 130 and stderr == "interrupted\n", (name, proc.returncode, stderr)
+        assert (outs[name] / "config.json").read_text() == "the previous output"
+        assert not [p for p in outs[name].parent.iterdir() if p.name.startswith(".")], name
