@@ -198,6 +198,7 @@ class Architecture:
     requires: dict = field(default_factory=dict)
     fused: bool = False  # checkpoint holds self_attn.qkv_proj and mlp.gate_up_proj (Phi-3)
     experts: tuple | None = None  # mixture of experts: (module name, gate, up and down expert tensor names)
+    o_proj_bias: bool = False  # attention_bias puts a bias on o_proj too, not only on q/k/v (unlike Qwen2)
 
 
 def nope_layers(cfg: dict) -> dict:
@@ -210,8 +211,7 @@ def nope_layers(cfg: dict) -> dict:
 def gpt_oss_fields(cfg: dict) -> dict:
     """Biases on q/k/v and o alike, attention sinks, experts with biases and the clamped SwiGLU;
     the router's softmax over its top-k logits equals renormalized top-k probabilities."""
-    return dict(moe_fields(True)(cfg), attention_out_bias=bool(cfg["attention_bias"]), attention_sinks=True,
-                moe_bias=True, swiglu_limit=float(cfg["swiglu_limit"]), swiglu_alpha=float(cfg["swiglu_alpha"]))
+    return dict(moe_fields(True)(cfg), attention_sinks=True, moe_bias=True, swiglu_limit=float(cfg["swiglu_limit"]), swiglu_alpha=float(cfg["swiglu_alpha"]))
 
 
 def granite_multipliers(cfg: dict) -> dict:
@@ -262,21 +262,20 @@ ARCHITECTURE_DEFAULTS = {
         defaults=dict(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", sliding_window=4096,
                       sliding_window_pattern=6, query_pre_attn_scalar=256,
                       rope_theta=1e6, rope_local_base_freq=10000.0)),
-    # o_proj carries a bias too where these families set attention_bias: not implemented
-    "qwen3": Architecture(args=dict(qk_norm=True), windows=upper_layers_slide, requires=dict(attention_bias=False)),
+    "qwen3": Architecture(args=dict(qk_norm=True), windows=upper_layers_slide, o_proj_bias=True),
     "olmo2": Architecture(args=dict(qk_norm=True, qk_norm_full_width=True, pre_norms=False, post_norms=True),
-                          requires=dict(attention_bias=False)),
+                          o_proj_bias=True),
     "smollm3": Architecture(windows=listed_layers_slide, fields=nope_layers, defaults=dict(tie_word_embeddings=True),
-                            requires=dict(attention_bias=False)),
-    "granite": Architecture(fields=granite_multipliers, requires=dict(attention_bias=False)),
+                            o_proj_bias=True),
+    "granite": Architecture(fields=granite_multipliers, o_proj_bias=True),
     "phi3": Architecture(windows=every_layer_slides, rope=phi3_rope, fused=True,
                          defaults=dict(original_max_position_embeddings=4096)),
     "mixtral": Architecture(windows=every_layer_slides, fields=moe_fields(True),
                             experts=("block_sparse_moe", "w1", "w3", "w2")),
     "qwen3_moe": Architecture(args=dict(qk_norm=True), windows=upper_layers_slide, fields=moe_fields(False),
                               experts=("mlp", "gate_proj", "up_proj", "down_proj"),
-                              requires=dict(attention_bias=False, mlp_only_layers=[], decoder_sparse_step=1)),
-    "gpt_oss": Architecture(windows=layer_types_slide, fields=gpt_oss_fields, experts=("mlp",),
+                              o_proj_bias=True, requires=dict(mlp_only_layers=[], decoder_sparse_step=1)),
+    "gpt_oss": Architecture(windows=layer_types_slide, fields=gpt_oss_fields, experts=("mlp",), o_proj_bias=True,
                             defaults=dict(attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)),
 }
 
@@ -349,6 +348,7 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
         rope_theta=rope_theta, rope_scaling=rope_scaling, rope_local_theta=rope_local_theta,
         max_position_embeddings=int(cfg["max_position_embeddings"]),
         attention_bias=bool(cfg["attention_bias"]), tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+        attention_out_bias=bool(cfg["attention_bias"]) and family.o_proj_bias,
         sliding_window=sliding_window, layer_types=layer_types, hidden_act=family.activations.get(act, act),
         embedding_scale=dim ** 0.5 if family.scaled_embeddings else None,
         query_pre_attn_scalar=None if scalar is None else float(scalar),

@@ -22,7 +22,7 @@ import kernels
 from conftest import random_model
 from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
 from engine import BatchEngine, Engine, Request, Sampling, load_model
-from model import MoEFeedForward, Transformer
+from model import MoEFeedForward
 from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, load_hf, load_ours,
                             max_diff, tokens)
 
@@ -40,14 +40,14 @@ def longrope(rope_dim=HEAD_DIM, orig=48):
 # name -> (HF model_type, config overrides), as test_hf_parity.CASES
 CASES = {
     "qwen3_head_dim_32": ("qwen3", dict(num_key_value_heads=2, head_dim=32)),  # head_dim != hidden/heads
-    # layer 0 full attention, layers 1-2 slide, windows shorter than the prompt
-    "qwen3_sliding": ("qwen3", dict(num_hidden_layers=3, num_key_value_heads=2, use_sliding_window=True,
-                                    sliding_window=8, max_window_layers=1)),
+    # layer 0 full attention, layers 1-2 slide, windows shorter than the prompt; biases on q, k, v and o
+    "qwen3_sliding_biases": ("qwen3", dict(num_hidden_layers=3, num_key_value_heads=2, use_sliding_window=True,
+                                           sliding_window=8, max_window_layers=1, attention_bias=True)),
     "olmo2_gqa": ("olmo2", dict(num_key_value_heads=2)),  # k's norm is narrower than q's
     "smollm3_every_4th_nope": ("smollm3", dict(num_hidden_layers=4, num_key_value_heads=2)),
     "smollm3_nope_sliding": ("smollm3", dict(num_hidden_layers=4, num_key_value_heads=2, no_rope_layers=[0, 1, 1, 0],
                                              use_sliding_window=True, sliding_window=8)),
-    "granite_multipliers": ("granite", dict(num_key_value_heads=2, embedding_multiplier=6.0, residual_multiplier=0.4,
+    "granite_multipliers": ("granite", dict(num_key_value_heads=2, attention_bias=True, embedding_multiplier=6.0, residual_multiplier=0.4,
                                             attention_multiplier=0.1, logits_scaling=1.5)),
     "phi3_longrope": ("phi3", dict(num_key_value_heads=2, max_position_embeddings=192, original_max_position_embeddings=48,
                                    rope_parameters=longrope())),
@@ -184,10 +184,8 @@ def test_comparison_detects_mistakes(mistake, tmp_path):
 
 
 @pytest.mark.parametrize("model_type, field, value", [
-    ("qwen3", "attention_bias", True),  # o_proj would carry a bias too
-    ("olmo2", "attention_bias", True),
     ("smollm3", "mlp_bias", True),
-    ("granite", "attention_bias", True),
+    ("granite", "mlp_bias", True),
     ("qwen3_moe", "mlp_only_layers", [1]),  # dense layers among the sparse ones
     ("qwen3_moe", "decoder_sparse_step", 2),
 ])
@@ -354,22 +352,6 @@ def test_moe_tp2_matches_single_process(tmp_path):
     from tp_worker import run_case
     reference = run_case(load_model(ckpt), PROMPTS_B2, STEPS)
     assert torch.equal(results["moe-compiled"]["tokens"], reference["tokens"])
-
-
-def test_moe_tp_plan_splits_every_experts_hidden_dim():
-    """Rank r of 2 holds hidden features [48 r, 48 r + 48) of each of the 8 experts: rows of w1 and
-    w3, columns of w2, whose output is all-reduced; the router is replicated."""
-    from tp import TensorParallel
-    with torch.device("meta"):
-        model = Transformer(tiny_moe(intermediate_size=96).args)
-    tp = TensorParallel(1, 2, group_name="unused")
-    tp.shard_modules(model)
-    experts = model.layers[0].feed_forward.experts
-    assert experts["w1"].weight.shape == experts["w3"].weight.shape == (8 * 48, 64)
-    assert experts["w2"].weight.shape == (8 * 64, 48)
-    assert tp.shards["layers.0.feed_forward.experts.w1"].ranges == [(96 * e + 48, 96 * e + 96) for e in range(8)]
-    assert tp.shards["layers.0.feed_forward.experts.w2"].rowwise
-    assert model.layers[0].feed_forward.gate.weight.shape == (8, 64)
 
 
 def test_mxfp4_experts_dequantize_as_transformers_does():
