@@ -206,6 +206,11 @@ def tiny_moe(seed=0, **overrides):
                                             intermediate_size=48), **overrides})
 
 
+# gpt-oss's variations on a mixture: sinks, every bias, the SwiGLU clamp, a sliding layer
+GPT_OSS = dict(architecture="gpt_oss", attention_sinks=True, attention_bias=True, attention_out_bias=True,
+               moe_bias=True, swiglu_limit=1.0, sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+
+
 def chosen_experts(model, run) -> list:
     """The set of experts each MoE layer's router chose during run(model)."""
     chosen, hooks = [], []
@@ -270,11 +275,13 @@ def generate(engine, prompts, n=16, max_seq_length=96):
 PROMPTS = [[5, 9, 200], list(range(20, 31)), list(range(100, 137))]
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_moe_batched_generation_equals_each_prompt_alone(norm_topk_prob):
+@pytest.mark.parametrize("variant", [dict(architecture="qwen3_moe", n_experts_per_token=3),
+                                     dict(architecture="qwen3_moe", n_experts_per_token=3, norm_topk_prob=False),
+                                     GPT_OSS], ids=["qwen3_moe", "qwen3_moe_unnormalized", "gpt_oss"])
+def test_moe_batched_generation_equals_each_prompt_alone(variant):
     """A left-padded batch (prompts grouped by expert, decode steps gathered) gives each row what
     it gets alone; so do continuously batched requests."""
-    model = tiny_moe(architecture="qwen3_moe", n_experts_per_token=3, norm_topk_prob=norm_topk_prob)
+    model = tiny_moe(**variant)
     engine = Engine(model)
     alone = [generate(engine, [p])[0] for p in PROMPTS]
     assert generate(engine, PROMPTS) == alone
@@ -290,10 +297,12 @@ def test_moe_batched_generation_equals_each_prompt_alone(norm_topk_prob):
     assert [r.out for r in reqs] == alone
 
 
-def test_moe_compiled_equals_eager():
+@pytest.mark.parametrize("variant", [{}, GPT_OSS], ids=["mixtral", "gpt_oss"])
+def test_moe_compiled_equals_eager(variant):
     """The compiled prefill (experts grouped in an opaque op) and decode step (experts gathered),
     with the CPU fast paths, give eager's greedy tokens, one prompt and a batch."""
-    model = tiny_moe()
+    torch._dynamo.reset()  # the step's recompile limit counts the graphs of earlier tests' models too
+    model = tiny_moe(**variant)
     eager = [generate(Engine(model), [p])[0] for p in PROMPTS]
     compiled = Engine(kernels.install(copy.deepcopy(model)), compile=True, compile_prefill=True)
     assert [generate(compiled, [p])[0] for p in PROMPTS] == eager
@@ -302,15 +311,17 @@ def test_moe_compiled_equals_eager():
 
 # (mode, bound on each expert's weight error, on the logits' error); a dense model of this shape
 # is as far from float: int8 ~0.022, int4 ~0.2
-@pytest.mark.parametrize("mode, weight_bound, bound", [("int8", 0.01, 0.03), ("int4", 0.15, 0.3)])
-def test_moe_quantized_experts_within_bound(mode, weight_bound, bound, tmp_path):
+@pytest.mark.parametrize("mode, weight_bound, bound, variant", [
+    ("int8", 0.01, 0.03, {}), ("int4", 0.15, 0.3, {}), ("int8", 0.01, 0.03, GPT_OSS)], ids=["int8", "int4", "int8-gpt_oss"])
+def test_moe_quantized_experts_within_bound(mode, weight_bound, bound, variant, tmp_path):
     """quantize.py stores every expert in the mode's format; the loaded model's logits stay within
     the scheme's bound of float (as tests/test_quantize.py's), and compiled decodes as eager."""
     import quantize
     from conftest import save_checkpoint
     from engine import load_model
     from safetensors import safe_open
-    model = tiny_moe(std=0.05, dim=128, intermediate_size=64, n_kv_heads=2)
+    torch._dynamo.reset()  # the step's recompile limit counts the graphs of earlier tests' models too
+    model = tiny_moe(std=0.05, dim=128, intermediate_size=64, n_kv_heads=2, **variant)
     src = save_checkpoint(model, tmp_path / "float")
     quantize.main(["--checkpoint", str(src), "--mode", mode, "--out", str(tmp_path / mode), "--groupsize", "32"])
     with safe_open(tmp_path / mode / "model.safetensors", "pt") as f:
