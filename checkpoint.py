@@ -107,6 +107,10 @@ def read_model(checkpoint_dir, dtype: torch.dtype = torch.float32) -> Transforme
 def check_state(state: dict, args: ModelArgs) -> None:
     """Names and shapes must be exactly those of Transformer(args), and every tensor floating point
     (a converted model is not quantized), so that loading cannot surprise."""
+    try:  # the config.json about to be written must read back: the loader checks every field's range
+        ModelArgs.from_dict(args.to_dict())
+    except ValueError as e:
+        raise CheckpointError(f"the converted config.json would not load: {one_line(e)}") from None
     with torch.device("meta"):
         expected = expected_shapes(Transformer(args))
     check_names(state, expected, "the converted checkpoint")
