@@ -635,9 +635,7 @@ def test_corrupted_tokenizer_loads_or_fails_in_one_line(seeds, tmp_path, kind, e
 def hf_dir_with_broken_weights(path: Path) -> Path:
     """A Hugging Face directory whose model.safetensors header claims more bytes than it has."""
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": DIM, "intermediate_size": FFN, "num_hidden_layers": 1,
-        "num_attention_heads": N_HEADS, "num_key_value_heads": N_KV_HEADS, "vocab_size": 32}))
+    (path / "config.json").write_text(json.dumps(HF_CONFIG))
     header = {"model.embed_tokens.weight": {"dtype": "F32", "shape": [32, DIM], "data_offsets": [0, 32 * DIM * 4]}}
     (path / "model.safetensors").write_bytes(safetensors_bytes(header, b"\0" * 100))
     return path
