@@ -505,13 +505,14 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 
 
 def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """OCP MXFP4 (gpt-oss's expert weights) -> float32: blocks uint8 (E, out, groups, 16) hold two
-    e2m1 values per byte (low nibble first), 32 per group, times 2 ** (scales - 127) of their group.
-    Returned as the unquantized tensor is stored: (E, in, out)."""
+    """OCP MXFP4 (gpt-oss's expert weights) -> bfloat16, exactly (an e2m1 value times a power of
+    two fits its mantissa): blocks uint8 (E, out, groups, 16) hold two e2m1 values per byte (low
+    nibble first), 32 per group, times 2 ** (scales - 127) of their group. Returned as the
+    unquantized tensor is stored: (E, in, out)."""
     lut = torch.tensor(FP4_VALUES)
     values = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)  # (E, out, G, 32)
     w = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
-    return w.flatten(-2).transpose(1, 2)  # (E, in, out)
+    return w.flatten(-2).transpose(1, 2).to(torch.bfloat16)  # (E, in, out)
 
 
 def gpt_oss_experts(take: Callable, prefix: str, args: ModelArgs) -> dict:

@@ -625,10 +625,10 @@ SCHEMES = {
 
 
 def linear_names(model) -> list:
-    """The linear layers, block by block, then the head: the modules tp.PLAN splits, but the
-    embedding, and a mixture's experts."""
+    """The linear layers, block by block, then the head: the modules tp splits, but the embedding
+    and attention's own per-head tensors; a mixture's experts included."""
     return [name for name, module in model.named_modules()
-            if tp.plan_kind(name) not in (None, "vocab_embedding") or is_experts(module)]
+            if tp.plan_kind(name) not in (None, "vocab_embedding", "heads") or is_experts(module)]
 
 
 def is_experts(module: nn.Module) -> bool:
