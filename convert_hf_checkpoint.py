@@ -2,7 +2,8 @@
 
     config.json          ModelArgs(...).to_dict(), so the directory describes itself
     model.safetensors    tensors named like Transformer(args).state_dict() (q/k/v fused into wqkv;
-                         no output.weight when the embeddings are tied)
+                         a mixture's experts stacked into one matrix per projection; no
+                         output.weight when the embeddings are tied)
     tokenizer files      copied from the HF directory, or rebuilt from the GGUF metadata
 
 What an architecture implies beyond its config.json (Gemma's norm offset, soft-capping, sliding
@@ -733,9 +734,9 @@ def convert_gguf(gguf_path, out_dir) -> Path:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description="Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2, Gemma 1/2/3) or a GGUF "
-                    "file (llama, qwen2, gemma3) into a checkpoint directory this engine loads: config.json, "
-                    "model.safetensors and the tokenizer files.",
+        description="Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2/3, Gemma 1/2/3, OLMo 2, SmolLM3, "
+                    "Granite, Phi-3, Mixtral, Qwen3-MoE, gpt-oss) or a GGUF file (llama, qwen2, gemma3) into a "
+                    "checkpoint directory this engine loads: config.json, model.safetensors and the tokenizer files.",
         epilog="examples:\n"
                "  python convert_hf_checkpoint.py --checkpoint_dir ~/hf/SmolLM2-135M-Instruct\n"
                "      -> checkpoints/SmolLM2-135M-Instruct\n"
