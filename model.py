@@ -1,6 +1,6 @@
 """A decoder-only transformer: one `Transformer` for the Llama family (Llama 2/3, Mistral,
 SmolLM2/3, Qwen2/3, Granite, Phi-3), the Gemma family (Gemma 1, 2, 3), OLMo 2 and the mixtures of
-experts Mixtral and Qwen3-MoE. Every variation is a field of `ModelArgs`, read from the
+experts Mixtral, Qwen3-MoE and gpt-oss. Every variation is a field of `ModelArgs`, read from the
 checkpoint's config.json, never guessed from names.
 
 This is the reference: nn.Linear and SDPA, one path per module. kernels.install(model) swaps in
@@ -529,8 +529,8 @@ def _(x, ids, weight, n_experts):
 
 
 class MoEFeedForward(nn.Module):
-    """A mixture of SwiGLU experts (Mixtral, Qwen3-MoE): the router's softmax picks the top
-    n_experts_per_token experts of each token, whose outputs are summed weighted by their
+    """A mixture of SwiGLU experts (Mixtral, Qwen3-MoE, gpt-oss): the router's softmax picks the
+    top n_experts_per_token experts of each token, whose outputs are summed weighted by their
     probabilities (renormalized over the chosen ones with norm_topk_prob)."""
 
     def __init__(self, args: ModelArgs):
