@@ -55,15 +55,27 @@ PLAN = {
 }
 
 
+# Modules that only some architectures have, split the same way (PLAN lists every model's linear layers)
+VARIANT_PLAN = {
+    # a mixture's experts (model.Experts, every expert's rows in one matrix): each expert's hidden
+    # dimension split as a dense feed-forward's, so every rank runs every expert on its part
+    "experts.w1": "colwise_experts",  # gate: the rank's rows of each expert
+    "experts.w3": "colwise_experts",  # up
+    "experts.w2": "rowwise_experts",  # down: partial sums over each expert's hidden part, all-reduced
+    "attention": "heads",  # per-head tensors of attention itself (gpt-oss's sinks): the rank's query heads
+}
+
+
 def plan_kind(name: str) -> Optional[str]:
-    """How the module `name` is split (PLAN), or None: replicated."""
-    return next((k for suffix, k in PLAN.items() if name == suffix or name.endswith("." + suffix)), None)
+    """How the module `name` is split (PLAN, VARIANT_PLAN), or None: replicated."""
+    return next((k for suffix, k in {**PLAN, **VARIANT_PLAN}.items()
+                 if name == suffix or name.endswith("." + suffix)), None)
 
 
 def split_units(model: nn.Module) -> dict:
     """plan kind -> how many input features a row-wise split must keep together: the lcm of its
     layers' `split_unit` (quantize.py's int4 layers: their group size), 1 for plain layers."""
-    units = dict.fromkeys(PLAN.values(), 1)
+    units = dict.fromkeys([*PLAN.values(), *VARIANT_PLAN.values()], 1)
     for name, module in model.named_modules():
         kind = plan_kind(name)
         if kind is not None:
@@ -141,9 +153,10 @@ class TensorParallel:
         # a row-wise split must fall on the boundaries of the input-feature groups its layer
         # stores together (quantize.py's int4 groups); w1 and w3 follow w2's split of the hidden dim
         units = split_units(model)
-        for kind, features in (("rowwise", intermediate), ("rowwise_heads", q_rows)):
+        n_experts, expert_hidden = args.n_experts, args.moe_intermediate_size or intermediate
+        for kind, features in (("rowwise", intermediate), ("rowwise_heads", q_rows), ("rowwise_experts", expert_hidden)):
             if features % units[kind]:
-                name = next(suffix for suffix, k in PLAN.items() if k == kind)
+                name = next(suffix for suffix, k in {**PLAN, **VARIANT_PLAN}.items() if k == kind)
                 raise TPError(f"cannot split {name}: its {features} input features are padded to groups of "
                               f"{units[kind]}; quantize with a group size that divides {features}")
         unit = units["rowwise"]
@@ -152,11 +165,18 @@ class TensorParallel:
         if (q0 * head_dim) % units["rowwise_heads"] or ((q0 + nq) * head_dim) % units["rowwise_heads"]:
             raise TPError(f"cannot split attention.wo at query head {q0} over {self.world_size} ranks: "
                           f"its groups of {units['rowwise_heads']} input features straddle the heads")
+        e0, ne = split_evenly(expert_hidden // units["rowwise_experts"], self.world_size, self.rank)
+        expert_part = (e0 * units["rowwise_experts"], (e0 + ne) * units["rowwise_experts"])
         layer_shards = {
             "colwise_heads": heads,
             "rowwise_heads": Shard(True, [(q0 * head_dim, (q0 + nq) * head_dim)], q_rows),
             "colwise": Shard(False, hidden_part, intermediate),
             "rowwise": Shard(True, hidden_part, intermediate),
+            # the same part of every expert: expert e's hidden feature f is row e * expert_hidden + f
+            "colwise_experts": Shard(False, [(e * expert_hidden + expert_part[0], e * expert_hidden + expert_part[1])
+                                             for e in range(n_experts)], n_experts * expert_hidden),
+            "rowwise_experts": Shard(True, [expert_part], expert_hidden),
+            "heads": Shard(False, [(q0, q0 + nq)], args.n_heads),
         }
         vocab = args.vocab_size
         if vocab % self.world_size == 0:  # all-gather needs equal parts

@@ -22,7 +22,7 @@ import kernels
 from conftest import random_model
 from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
 from engine import BatchEngine, Engine, Request, Sampling, load_model
-from model import MoEFeedForward
+from model import MoEFeedForward, Transformer
 from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, load_hf, load_ours,
                             max_diff, tokens)
 
@@ -348,21 +348,46 @@ def test_moe_quantized_experts_within_bound(mode, weight_bound, bound, variant, 
 
 def test_moe_tp2_matches_single_process(tmp_path):
     """2 ranks, each with its part of every expert's hidden dimension: the logits of a left-padded
-    batch (prompt slots grouped by expert, decode steps gathered) and int8 experts equal one
-    process's within 1e-4, and the compiled decode step gives its greedy tokens."""
+    batch (prompt slots grouped by expert, decode steps gathered), of int8 experts and of a
+    gpt-oss-shaped mixture (sinks split by head, biased experts) equal one process's within 1e-4,
+    and the compiled decode step gives its greedy tokens."""
     from conftest import save_checkpoint
     from test_tp import PROMPTS_B2, STEPS, assert_matches_single_process, quantized, run_worker
     ckpt = save_checkpoint(tiny_moe(seed=4, intermediate_size=96, n_experts=8, n_experts_per_token=2), tmp_path / "moe")
     int8 = quantized(ckpt)
+    gpt_oss = save_checkpoint(tiny_moe(seed=5, intermediate_size=96, **GPT_OSS), tmp_path / "gpt_oss")
     cases = [dict(name="moe", checkpoint=str(ckpt), prompts=PROMPTS_B2, steps=STEPS),
              dict(name="moe-int8", checkpoint=str(int8), prompts=PROMPTS_B2, steps=STEPS, float_activations=True),
+             dict(name="gpt_oss", checkpoint=str(gpt_oss), prompts=PROMPTS_B2, steps=STEPS),
              dict(name="moe-compiled", checkpoint=str(ckpt), prompts=PROMPTS_B2, steps=STEPS, compile=True)]
     results = run_worker(2, cases, tmp_path)
-    for case in cases[:2]:
+    for case in cases[:3]:
         assert_matches_single_process(case, results[case["name"]])
     from tp_worker import run_case
     reference = run_case(load_model(ckpt), PROMPTS_B2, STEPS)
     assert torch.equal(results["moe-compiled"]["tokens"], reference["tokens"])
+
+
+def test_moe_tp_plan_splits_every_experts_hidden_dim():
+    """Rank r of 2 holds hidden features [48 r, 48 r + 48) of each of the 8 experts: rows of w1 and
+    w3, columns of w2, whose output is all-reduced; the router is replicated."""
+    from tp import TensorParallel
+    args = tiny_moe(intermediate_size=96).args
+    with torch.device("meta"):
+        model = Transformer(args)
+    tp = TensorParallel(1, 2, group_name="unused")
+    tp.shard_modules(model)
+    experts = model.layers[0].feed_forward.experts
+    assert experts["w1"].weight.shape == experts["w3"].weight.shape == (8 * 48, 64)
+    assert experts["w2"].weight.shape == (8 * 64, 48)
+    assert tp.shards["layers.0.feed_forward.experts.w1"].ranges == [(96 * e + 48, 96 * e + 96) for e in range(8)]
+    assert tp.shards["layers.0.feed_forward.experts.w2"].rowwise
+    assert model.layers[0].feed_forward.gate.weight.shape == (8, 64)
+    args = tiny_moe(**GPT_OSS).args  # gpt-oss's sinks: one per query head, the rank's heads
+    with torch.device("meta"):
+        model = Transformer(args)
+    TensorParallel(1, 2, group_name="unused").shard_modules(model)
+    assert model.layers[0].attention.sinks.shape == (2,)
 
 
 def test_mxfp4_experts_dequantize_as_transformers_does():
