@@ -22,7 +22,7 @@ import kernels
 from conftest import random_model
 from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
 from engine import BatchEngine, Engine, Request, Sampling, load_model
-from model import MoEFeedForward, Transformer
+from model import CAUSAL_SDPA_MIN_TOKENS, MoEFeedForward, Transformer
 from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, load_hf, load_ours,
                             max_diff, tokens)
 
@@ -108,6 +108,24 @@ def test_prefill_and_cached_decode_match_hf(case, fast_paths):
     print(f"{name}: prefill diff {diffs[0]:.2e}, decode max diff {max(diffs[1:]):.2e}")
     bad = [(i, d) for i, d in enumerate(diffs) if not d <= TOL]
     assert not bad, f"{name}: (step, diff) over tolerance: {bad}"
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_sinks_clamp", "phi3_longrope", "smollm3_nope_sliding",
+                                  "qwen3_moe_top4_unnormalized"])
+@torch.inference_mode()
+def test_long_prefill_matches_hf(name, tmp_path):
+    """A prompt longer than CAUSAL_SDPA_MIN_TOKENS from slot 0: full-attention layers take SDPA's
+    causal mask (the sinks then build their own), LongRoPE its long factors, the experts their
+    grouped path; the last position alone too."""
+    hf_dir, our_dir = convert(name, tmp_path)
+    hf, ours = load_hf(hf_dir), load_ours(our_dir)
+    T = CAUSAL_SDPA_MIN_TOKENS + 40
+    ours.setup_caches(max_batch_size=1, max_seq_length=T + 8)
+    ids = tokens(T, seed=4)
+    expected = hf(ids).logits
+    diffs = [max_diff(ours(ids, torch.arange(T), kv_len=T), expected),
+             max_diff(ours(ids, torch.arange(T), kv_len=T, last_logits_only=True), expected[:, -1:])]
+    assert max(diffs) <= TOL, f"{name}: {diffs}"
 
 
 @torch.inference_mode()
