@@ -136,8 +136,8 @@ class ModelArgs:
     attention_multiplier: Optional[float] = None  # the attention scale itself, not head_dim**-0.5 (Granite)
     residual_multiplier: float = 1.0  # sublayer outputs times this before the residual add (Granite)
     logits_scaling: float = 1.0  # logits divided by this (Granite)
-    # Mixture of experts (Mixtral, Qwen3-MoE): every layer's feed-forward is n_experts SwiGLUs, of
-    # which a router picks n_experts_per_token per token by softmax over its logits.
+    # Mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): every layer's feed-forward is n_experts
+    # SwiGLUs, of which a router picks n_experts_per_token per token by softmax over its logits.
     n_experts: int = 0  # 0: a dense feed-forward
     n_experts_per_token: int = 2
     moe_intermediate_size: Optional[int] = None  # each expert's hidden width; None: intermediate_size
