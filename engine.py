@@ -11,7 +11,9 @@ then `decode_one_token` per step) -> token ids. `Chat` keeps a conversation's KV
 turns. speculative.py's `SpeculativeEngine` has the same interface (`Generator`).
 """
 import collections
+import contextlib
 import functools
+import inspect
 import resource
 import statistics
 import sys
@@ -27,7 +29,7 @@ import checkpoint
 import kernels
 import quantize
 from errors import UserError
-from grammar import allow_tokens
+from grammar import allow_tokens, token_masks, unpack_mask
 from model import Transformer, param_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +93,9 @@ def parse_device(name: str) -> torch.device:
         raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device cuda is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} "
+                        f"CUDA device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError("device mps is not available on this machine")
     if device.type not in ("cpu", "cuda", "mps"):
@@ -291,10 +296,13 @@ def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, pad: Tensor, 
 
 
 def decode_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, pad: Tensor,
-                     sampling: Optional[Sampling]) -> Tensor:
-    """As prefill, for one token per row (B, 1) at position input_pos (1,)."""
-    logits = model(cur, input_pos, pad)  # (B, 1, V)
-    return logits[:, -1] if sampling is None else sample(logits[:, -1], sampling)
+                     sampling: Optional[Sampling], mask: Optional[Tensor] = None) -> Tensor:
+    """As prefill, for one token per row (B, 1) at position input_pos (1,). mask: the tokens each
+    row's grammar allows, (B, ceil(V / 32)) int32 bits (grammar.token_masks), applied in the step."""
+    logits = model(cur, input_pos, pad)[:, -1]  # (B, V)
+    if mask is not None:
+        logits = logits.masked_fill(~unpack_mask(mask, logits.shape[-1]), float("-inf"))
+    return logits if sampling is None else sample(logits, sampling)
 
 
 def compile_options(device: torch.device, compile_mode: str) -> dict:
@@ -318,9 +326,20 @@ def compile_options(device: torch.device, compile_mode: str) -> dict:
     return {"options": {"cpp_wrapper": True}}
 
 
+def stance_skips_guards() -> bool:
+    """torch.compiler.set_stance(skip_guard_eval_unsafe=) exists from torch 2.7 on."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance is not None and "skip_guard_eval_unsafe" in inspect.signature(stance).parameters
+
+
+SKIPS_GUARDS = stance_skips_guards()
+
+
 def guards_skipped(skip: bool):
     """Within one generate call a compiled step is called again and again with inputs of the same
     shapes: once its guards have been checked, skipping them saves about a millisecond a call on CPU."""
+    if not SKIPS_GUARDS:
+        return contextlib.nullcontext()
     return torch.compiler.set_stance(skip_guard_eval_unsafe=skip)
 
 
@@ -374,8 +393,9 @@ class Generator(Protocol):
     def setup(self, batch_size: int, max_seq_length: int) -> None:
         """Allocate the KV caches (again only when the sizes change)."""
 
-    def warm_up(self, prompts: list, sampling: Sampling) -> None:
-        """Run every compiled graph once, so that the next call measures generation, not compilation."""
+    def warm_up(self, prompts: list, sampling: Sampling, host: bool = False, constrained: bool = False) -> None:
+        """Run every compiled graph once, so that the next call measures generation, not compilation:
+        host, the graphs whose logits go to the host; constrained, those that apply a grammar."""
 
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), start_pos: int = 0,
                  on_tokens: Optional[Callable] = None, constraints: Optional[list] = None,
@@ -396,6 +416,9 @@ class Engine(Generator):
         self.prefill, self.decode_one_token = prefill, decode_one_token
         self.compiled = compile or compile_prefill
         self.jump_forward = True  # feed the tokens a grammar forces as one chunk (False: one step each)
+        # queue the next decode step before reading this one's tokens back; it pays only where
+        # kernels run asynchronously (CUDA), and costs one unused step when a row stops at EOS
+        self.lookahead = self.device.type == "cuda"
         if compile:
             self.decode_one_token = torch.compile(decode_one_token, fullgraph=True,
                                                   **compile_options(self.device, compile_mode))
@@ -410,7 +433,10 @@ class Engine(Generator):
         if model.max_batch_size != batch_size or model.max_seq_length != max_seq_length:
             model.setup_caches(batch_size, max_seq_length)
 
-    def warm_up(self, prompts: list, sampling: Sampling, steps: int = 3, host: bool = False):
+    def warm_up(self, prompts: list, sampling: Sampling, steps: int = 3, host: bool = False,
+                constrained: bool = False):
+        """Compile the graphs a generate call will use: host (its logits go to the host) or
+        constrained (a grammar's mask in the step, and the chunk of tokens it forces)."""
         if not self.compiled:
             return
         steps = min(steps, self.model.max_seq_length - max(len(p) for p in prompts))
@@ -419,7 +445,16 @@ class Engine(Generator):
         start = time.perf_counter()
         # prefill + decode steps: the compiled graph runs from the second on
         self.generate(prompts, steps, sampling, host=host)
-        if host and len(prompts) == 1:  # the chunk of forced tokens, for two lengths (one dynamic graph)
+        if constrained and not host:  # the step that takes a mask: every token allowed
+            with torch.inference_mode():
+                B, device = len(prompts), self.device
+                mask = torch.full((B, (self.model.args.vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+                for step in range(2):
+                    with guards_skipped(step > 0):
+                        self.decode_one_token(self.model, torch.zeros(B, 1, dtype=torch.long, device=device),
+                                              torch.tensor([steps], device=device),
+                                              torch.zeros(B, dtype=torch.long, device=device), sampling, mask)
+        if (host or constrained) and len(prompts) == 1:  # the chunk of forced tokens, two lengths (one dynamic graph)
             with torch.inference_mode():
                 for T in (2, 3):  # at positions a chunk has (a cache length below 16 compiles apart)
                     pos = min(64, self.model.max_seq_length - T)
@@ -453,7 +488,9 @@ class Engine(Generator):
         stop = frozenset(stop_ids)
         rows = [Request(list(p), max_new_tokens, sampling, stop_ids=stop, constraint=constraints[b] if constraints
                         else None, logprobs=logprobs) for b, p in enumerate(prompts)]
-        host = host or sampling.adjusts or logprobs is not None or any(r.constraint for r in rows)
+        host = host or sampling.adjusts or logprobs is not None
+        # grammars alone: the step masks its logits with their bits and samples as usual
+        masked = not host and any(r.constraint for r in rows)
 
         def accept(ids: list) -> list:
             """Hand out each live row's sampled token (and what its grammar forces after it);
@@ -496,32 +533,36 @@ class Engine(Generator):
         prefilled = rows[0].finish_reason is None  # else a grammar forced the whole output: nothing to compute
         if not prefilled:
             feed = [[0]]
-        elif host:
+        elif host or masked:
             logits = self.prefill(self.model, tokens, input_pos, pad, None, start_pos + prompt_len)
             feed = accept(pick(logits))
         else:
-            feed = accept(self.prefill(self.model, tokens, input_pos, pad, sampling,
-                                       start_pos + prompt_len).view(-1).tolist())
+            out = self.prefill(self.model, tokens, input_pos, pad, sampling, start_pos + prompt_len)
+            feed = accept(out.view(-1).tolist())
         first = time.perf_counter()
         times = []
         pos = start_pos + prompt_len if prefilled else start_pos  # where the next fed token goes
+        if not host and not masked:
+            pos = self.decode_on_device(out, pos, pad, sampling, rows, accept, times)
         steps = 0
-        while not all(r.finish_reason for r in rows):
+        while not all(r.finish_reason for r in rows):  # tokens come back to the host: grammars, penalties
             if len(feed[0]) > 1:  # one row: its sampled token and the ones its grammar forced, as one chunk
                 T = len(feed[0])
-                logits = self.chunk(self.model, torch.tensor(feed, device=device),
-                                    torch.arange(pos, pos + T, device=device), pad, None, pos + T)
+                ids = pick(self.chunk(self.model, torch.tensor(feed, device=device),
+                                      torch.arange(pos, pos + T, device=device), pad, None, pos + T))
             else:
-                cur = torch.tensor(feed, device=device)  # (B, 1)
+                mask = None
+                if masked:  # a row that has ended, or has no grammar, allows every token
+                    mask = token_masks([r.constraint if r.finish_reason is None else None for r in rows],
+                                       self.model.args.vocab_size).to(device)
                 with guards_skipped(steps > 0):
-                    # clone: under CUDA graphs the next replay overwrites the previous step's output buffer
-                    out = self.decode_one_token(self.model, cur, torch.tensor([pos], device=device), pad,
-                                                None if host else sampling).clone()
+                    out = self.decode_one_token(self.model, torch.tensor(feed, device=device),
+                                                torch.tensor([pos], device=device), pad,
+                                                sampling if masked else None, mask).clone()
                 steps += 1
-                logits = out if host else None
+                ids = out.view(-1).tolist() if masked else pick(out)
             pos += len(feed[0])
-            # the host needs the tokens anyway: to stop at EOS and to print
-            feed = accept(pick(logits) if host else out.view(-1).tolist())
+            feed = accept(ids)
             times.extend([time.perf_counter()] * len(feed[0]))  # a chunk's tokens arrive at once
         end = times[-1] if times else first
         stats = Stats(prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(len(r.out) for r in rows),
@@ -530,6 +571,37 @@ class Engine(Generator):
                       logprobs=[r.token_logprobs for r in rows] if logprobs is not None else [],
                       cached_tokens=pos)
         return [r.out for r in rows], stats
+
+    def decode_on_device(self, out: Tensor, pos: int, pad: Tensor, sampling: Sampling, rows: list,
+                         accept: Callable, times: list) -> int:
+        """The decode loop when sampling runs inside the compiled step: a step's input is the
+        previous step's output and its position a device counter, so nothing goes from the host to
+        the device; the host only reads the tokens back (to stop, and to print). Returns the
+        position after the last step whose tokens were read."""
+        input_pos = torch.tensor([pos], device=self.device)
+        budget = rows[0].max_new_tokens - len(rows[0].out)  # steps that can still hand out a token
+        launched = 0
+
+        def launch(cur: Tensor) -> Tensor:
+            nonlocal launched
+            with guards_skipped(launched > 0):
+                # clone: under CUDA graphs the next replay overwrites the previous step's output buffer
+                nxt = self.decode_one_token(self.model, cur, input_pos, pad, sampling).clone()
+            input_pos.add_(1)
+            launched += 1
+            return nxt
+
+        if all(r.finish_reason for r in rows):
+            return pos
+        out = launch(out)
+        while True:
+            ahead = launch(out) if self.lookahead and launched < budget else None
+            accept(out.view(-1).tolist())
+            times.append(time.perf_counter())
+            pos += 1
+            if all(r.finish_reason for r in rows):
+                return pos
+            out = ahead if ahead is not None else launch(out)
 
     def metrics(self, stats: Stats) -> dict:
         return decode_metrics(stats, self.model, self.device)

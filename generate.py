@@ -48,8 +48,9 @@ def compare_with_plain(spec: speculative.SpeculativeEngine, prompts: list, max_n
                        sampling: Sampling, stop_ids, metrics: dict, spec_outputs: list, options: dict) -> dict:
     """Decode the same prompt without speculation (the target's own Engine) and compare speeds
     and, greedy, the outputs. metrics: the speculative run's; options: generate's (a fresh constraint)."""
-    host = options["constraints"] is not None or options["logprobs"] is not None or sampling.adjusts
-    spec.engine.warm_up(prompts, sampling, min(3, max_new_tokens), host=host)
+    host = options["logprobs"] is not None or sampling.adjusts
+    spec.engine.warm_up(prompts, sampling, min(3, max_new_tokens), host=host,
+                        constrained=options["constraints"] is not None)
     outputs, stats = spec.engine.generate(prompts, max_new_tokens, sampling, stop_ids, **options)
     spec.forget_cache()  # the target's cache now holds the plain run
     plain = spec.engine.metrics(stats)["decode_tokens_per_s"]
@@ -350,17 +351,17 @@ def main(argv=None):
         return {"constraints": [grammars.constraint(grammar) for _ in range(rows)] if grammar else None,
                 "logprobs": args.logprobs}
 
-    host = bool(grammar) or sampling.adjusts or args.logprobs is not None  # the compiled step returns logits
+    host = sampling.adjusts or args.logprobs is not None  # the compiled step returns logits
     if args.interactive:
         engine.setup(1, args.max_seq_length or 4096)
-        engine.warm_up([[0]], sampling, host=host)
+        engine.warm_up([[0]], sampling, host=host, constrained=bool(grammar))
         all_metrics = run_interactive(engine, tok, args, sampling, options)
     else:
         longest = max(len(p) for p in prompts)
         # round up so that nearby lengths share one compiled graph; a verify writes k slots past the last token
         spare = args.speculate_k if isinstance(engine, speculative.SpeculativeEngine) else 0
         engine.setup(len(prompts), args.max_seq_length or -(-(longest + args.max_new_tokens + spare) // 256) * 256)
-        engine.warm_up(prompts, sampling, host=host)
+        engine.warm_up(prompts, sampling, host=host, constrained=bool(grammar))
         all_metrics = []
         for i in range(args.num_samples):
             profiling = args.profile is not None and i == args.num_samples - 1 and (tp is None or tp.rank == 0)

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -145,10 +146,23 @@ def token_masks(constraints: list, vocab_size: int) -> Tensor:
 
 
 def unpack_mask(masks: Tensor, vocab_size: int) -> Tensor:
-    """(B, W) int32 bitmask -> (B, V) bool: token t allowed iff bit t % 32 of word t // 32 is set."""
+    """(B, W) int32 bitmask -> (B, V) bool: token t allowed iff bit t % 32 of word t // 32 is set.
+    Written in tensor ops, so that inside a compiled step it fuses with the masking."""
     bits = torch.bitwise_left_shift(torch.ones((), dtype=torch.int32, device=masks.device),
                                     torch.arange(32, dtype=torch.int32, device=masks.device))
     return (masks.unsqueeze(-1) & bits).ne(0).flatten(1)[:, :vocab_size]
+
+
+def unpack_mask_on_host(masks: Tensor, vocab_size: int) -> Tensor:
+    """unpack_mask for a CPU bitmask, through numpy's unpackbits (many times faster in eager mode;
+    byte j of the little-endian words holds tokens 8j to 8j + 7)."""
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits).bool()
+
+
+def apply_mask(logits: Tensor, allowed: Tensor) -> Tensor:
+    """(B, V) logits, -inf where `allowed` (B, V) bool is False."""
+    return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def allow_tokens(logits: Tensor, constraints: list) -> Tensor:
@@ -157,4 +171,4 @@ def allow_tokens(logits: Tensor, constraints: list) -> Tensor:
     if all(c is None for c in constraints):
         return logits
     V = logits.shape[-1]
-    return logits.masked_fill(~unpack_mask(token_masks(constraints, V).to(logits.device), V), float("-inf"))
+    return apply_mask(logits, unpack_mask_on_host(token_masks(constraints, V), V).to(logits.device))

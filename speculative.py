@@ -67,7 +67,7 @@ from engine import (ONE_SEQUENCE, Engine, Generator, Request, Sampling, Stats, a
                     common_prefix, compile_options, decode_metrics, guards_skipped, log, logits_to_probs, pick_tokens,
                     reusable_prefix, sample_probs, token_logprobs)
 from errors import UserError
-from grammar import allow_tokens, unpack_mask
+from grammar import allow_tokens, apply_mask, unpack_mask_on_host
 from model import RingKVCache, Transformer, param_bytes
 
 
@@ -455,9 +455,11 @@ class SpeculativeEngine(Generator):
         """The target's cache no longer holds self.tokens (another engine wrote it)."""
         self.tokens = []
 
-    def warm_up(self, prompts: list, sampling: Sampling, host: bool = False):
+    def warm_up(self, prompts: list, sampling: Sampling, host: bool = False, constrained: bool = False):
         """Run every compiled graph (verify, the one-token step, the draft's step) before timing;
-        host: the graphs that return logits (a grammar, penalties, logit_bias or logprobs)."""
+        host: the graphs that return logits (penalties, logit_bias or logprobs; a grammar's
+        mask, constrained, is applied to them too)."""
+        host = host or constrained
         if not self.compiled:
             return
         log("compiling (about a minute the first time, cached on disk afterwards)...")
@@ -665,7 +667,7 @@ class SpeculativeEngine(Generator):
         if sampling.adjusts:  # each pick's penalties count the block's tokens before it
             x = adjust_logits(x, [replace(row, out=row.out + block[:j]) for j in picks])
         if c is not None:
-            x = x.masked_fill(~unpack_mask(masks[:len(picks)], V).to(device), float("-inf"))
+            x = apply_mask(x, unpack_mask_on_host(masks[:len(picks)], V).to(device))
         proposals = [block[j] for j in choices]
         if sampling.temperature == 0:
             target = x.argmax(-1).tolist()

@@ -40,6 +40,13 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from errors import TPError, UserError
 
+
+def all_gather_single(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """funcol.all_gather_single is torch 2.13's name for all_gather_tensor, which older releases
+    (requirements.txt's floor) have under the old name only."""
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return gather(x, dim, group_name)
+
 # module name (or its last dotted parts) -> how its weight is split; every other tensor is replicated.
 # Every linear layer of a Transformer is here: quantize.py quantizes these (all but the embedding).
 PLAN = {
@@ -213,7 +220,7 @@ class TensorParallel:
 
     def _all_gather_hook(self, module, inputs, output):
         # (..., vocab / N) logits of this rank's tokens -> (..., vocab), in rank order
-        return funcol.all_gather_single(output, output.dim() - 1, self.group_name)
+        return all_gather_single(output, output.dim() - 1, self.group_name)
 
     def _embed_own_tokens(self, module: nn.Module, v0: int, v1: int):
         """Make an embedding (nn.Embedding or quantize.py's) holding rows v0..v1 look up only
@@ -353,6 +360,9 @@ def init_from_env(device: str = "cpu") -> tuple[Optional[TensorParallel], str]:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     cuda = device.startswith("cuda")
     if cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"rank {rank} needs cuda:{local_rank}, but this machine has "
+                            f"{torch.cuda.device_count()} CUDA device(s): lower --nproc_per_node")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():

@@ -3,8 +3,8 @@
     python -m scripts.bench_structured [--checkpoint checkpoints/smollm2-135m] [--out benchmarks/structured.json]
 
 1. Decode tokens/s at batch 1 and 16 with a JSON-schema constraint (every row its own matcher,
-   the mask applied to the step's logits on the host), against the same prompts unconstrained
-   (sampling inside the compiled step); jump-forward off, so both run one token per step.
+   its mask computed on the host and applied inside the compiled step), against the same prompts
+   unconstrained; jump-forward off, so both run one token per step.
 2. Output tokens/s of a fixed-schema JSON answer (greedy, batch 1) with forced-token chunks
    against the same answer stepped one token at a time.
 3. The per-token cost of computing the mask (llguidance), replaying the generated tokens.
@@ -70,7 +70,7 @@ def main(argv=None):
         engine.jump_forward = False
         plain, constrained = [], []
         engine.warm_up([prompt] * batch, Sampling())
-        engine.warm_up([prompt] * batch, Sampling(), host=True)
+        engine.warm_up([prompt] * batch, Sampling(), constrained=True)
         for _ in range(args.rounds):
             for runs, constraints in ((plain, None), (constrained, True)):
                 cs = [grammars.constraint(list_grammar) for _ in range(batch)] if constraints else None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from conftest import random_model
+from conftest import TEST_DEVICE, random_model
 from engine import BatchEngine, Engine, QueueFull, Request, Sampling, sample_rows
 from errors import UserError
 
@@ -46,7 +46,7 @@ def test_each_request_as_alone(arch, compiled):
     """Requests of different lengths joining at different steps, some while others are mid-way:
     each one's greedy tokens equal its solo run, eager and compiled (the CPU fast paths)."""
     over = dict(sliding_window=8, architecture="mistral") if arch == "sliding" else {}
-    model = random_model(**over)
+    model = random_model(device=TEST_DEVICE, **over)
     ps = prompts(7, seed=1)
     want = [alone(model, p, 12) for p in ps]
     fast = kernels.install(copy.deepcopy(model))
@@ -60,7 +60,7 @@ def test_each_request_as_alone(arch, compiled):
 def test_wide_steps_as_alone():
     """Eleven streams decoding while two long prompts arrive: steps of more than 16 rows (prompt
     tokens as many as decoding rows), and still each request's greedy tokens are its solo run's."""
-    model = random_model()
+    model = random_model(device=TEST_DEVICE)
     ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 90))]
     want = [alone(model, p, 24) for p in ps]
     engine = BatchEngine(kernels.install(copy.deepcopy(model)), max_batch_size=13, max_seq_length=128,
@@ -78,7 +78,7 @@ def test_wide_steps_as_alone():
 def test_prefix_reuse():
     """A request that shares a finished request's beginning prefills only the rest, with the
     same output as a cold run; the least recently used free slot is taken otherwise."""
-    model = random_model()
+    model = random_model(device=TEST_DEVICE)
     base = prompts(1, seed=2)[0] + list(range(30))
     engine = BatchEngine(model, max_batch_size=2, max_seq_length=128)
     first = Request(base, 6)
@@ -98,7 +98,7 @@ def test_prefix_reuse():
 
 def test_sampling_per_request():
     """Seeded requests give the same tokens alone and beside others; greedy rows stay greedy."""
-    model = random_model()
+    model = random_model(device=TEST_DEVICE)
     p = prompts(3, seed=3)
     hot = Sampling(temperature=0.8, top_k=50, top_p=0.9)
 
@@ -133,7 +133,7 @@ def test_sample_rows():
 
 
 def test_stop_cancel_and_faults():
-    model = random_model()
+    model = random_model(device=TEST_DEVICE)
     p = prompts(4, seed=4)
     engine = BatchEngine(model, max_batch_size=2, max_seq_length=80, max_waiting=2)
     want = alone(model, p[0], 8)
@@ -166,7 +166,7 @@ def test_stop_cancel_and_faults():
 
 def test_forward_fault_ends_its_requests():
     """An exception in a step's forward pass ends the requests in it; the engine goes on."""
-    model = random_model()
+    model = random_model(device=TEST_DEVICE)
     engine = BatchEngine(model, max_batch_size=2, max_seq_length=64)
     a = Request(prompts(1)[0], 6)
     engine.submit(a)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kernels
-from conftest import ROOT, random_model, run_script
+from conftest import ROOT, TEST_DEVICE, on_test_device, random_model, run_script
 from engine import Chat, Engine, Sampling, load_model
 from model import KVCache, ModelArgs, RingKVCache, Transformer
 
@@ -59,7 +59,7 @@ def use_full_caches(model, max_seq_length):
 def test_ring_cache_matches_full_cache_with_window_mask(chunks):
     """Prefill chunks longer than, equal to and shorter than the window, then single decode steps:
     the window-sized ring gives the logits of a full cache with a window mask, for a left-padded batch."""
-    ring, full = tiny_gemma3(), tiny_gemma3()
+    ring, full = on_test_device(tiny_gemma3()), on_test_device(tiny_gemma3())
     ring.setup_caches(2, 64)
     assert isinstance(ring.layers[0].attention.kv_cache, RingKVCache)
     assert ring.layers[0].attention.kv_cache.k_cache.shape[2] == WINDOW
@@ -164,7 +164,7 @@ def test_chat_with_ring_cache_equals_reprefill(marked_replies):
 
 
 def test_compiled_decode_with_ring_cache_matches_eager():
-    model = tiny_gemma3()
+    model = tiny_gemma3(device=TEST_DEVICE)
     prompt = [list(range(3, 22))]  # longer than the window
 
     def greedy(engine):

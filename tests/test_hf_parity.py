@@ -18,6 +18,7 @@ import transformers  # the oracle: a test environment without it fails here, it 
 from safetensors.torch import load_file
 
 import kernels
+from conftest import on_test_device
 from convert_hf_checkpoint import convert_hf_checkpoint
 from model import CAUSAL_SDPA_MIN_TOKENS, ModelArgs, Transformer
 
@@ -99,7 +100,7 @@ def load_ours(ckpt_dir) -> Transformer:
     assert not unexpected, unexpected
     assert missing == (["output.weight"] if args.tie_word_embeddings else []), missing
     model.setup_caches(max_batch_size=1, max_seq_length=MAX_SEQ_LENGTH)
-    return model.eval()
+    return on_test_device(model.eval())
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import kernels
 import quantize as Q
-from conftest import ROOT, random_model, run_script, save_checkpoint
+from conftest import ROOT, TEST_DEVICE, random_model, run_script, save_checkpoint
 
 
 # ---------------------------------------------------------------- round trips
@@ -81,8 +81,9 @@ def test_packed_int8_unpacks_to_the_same_integers(device):
 
 # ---------------------------------------------------------------- the quantized layers
 
-def make_layer(kind, in_features, out_features, groupsize=32, bias=False, seed=0):
-    """A quantized layer loaded and packed the way load_model does, and its dequantized weight."""
+def make_layer(kind, in_features, out_features, groupsize=32, bias=False, seed=0, device="cpu"):
+    """A quantized layer loaded and packed the way load_model does (on `device`), and its
+    dequantized weight."""
     torch.manual_seed(seed)
     w = torch.randn(out_features, in_features) * 0.1
     if kind == "int8":
@@ -97,7 +98,7 @@ def make_layer(kind, in_features, out_features, groupsize=32, bias=False, seed=0
         w_hat = Q.dequantize_int4(q, s.half(), z.half())[:, :in_features]
     if bias:
         state["bias"] = torch.randn(out_features)
-    layer.load_state_dict(state, assign=True)
+    layer.load_state_dict({name: t.to(device) for name, t in state.items()}, assign=True)
     layer.pack({}, torch.float32)
     return layer, w_hat, state.get("bias")
 
@@ -123,23 +124,25 @@ def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_featu
     """Every path of a quantized linear. With kernels.py (CPU): up to 16 tokens, eager or compiled,
     its int8-activation loop, which equals the dequantized weight times int8_activations(x);
     past 16 tokens, dequantize + matmul. Without it: the compiled unpacking expression for one
-    token, dequantize + matmul otherwise."""
+    token, dequantize + matmul otherwise; that path runs on the test device."""
     assert kernels.available()
     torch._dynamo.reset()  # a compiled graph reads kernels.available() when it is traced
     with contextlib.nullcontext() if cpp_kernel else kernels.switched_off():
-        layer, w_hat, bias = make_layer(kind, in_features, out_features, groupsize, bias=True)  # packs for the path
-        assert layer.cpu_kernel_layout == cpp_kernel
+        device = "cpu" if cpp_kernel else TEST_DEVICE
+        layer, w_hat, bias = make_layer(kind, in_features, out_features, groupsize, bias=True, device=device)
+        assert layer.cpu_kernel_layout == cpp_kernel  # packed for the path
         compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
         for x in (torch.randn(3, 5, in_features), torch.randn(1, 17, in_features), torch.randn(2, in_features),
                   torch.randn(1, 1, in_features)):
             few = x.shape[:-1].numel() <= kernels.MAX_TOKENS
             exact = F.linear(int8_activations(x) if cpp_kernel and few else x, w_hat, bias)
-            torch.testing.assert_close(layer(x), exact, atol=1e-4, rtol=1e-4)
+            got = layer(x.to(device)).cpu()
+            torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-4)
             if x.shape[:-1].numel() == 1:
-                torch.testing.assert_close(compiled(layer, x), exact, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(compiled(layer, x.to(device)).cpu(), exact, atol=1e-4, rtol=1e-4)
             # against unquantized activations: the int8 rounding of x costs little
             plain = F.linear(x, w_hat, bias)
-            assert ((layer(x) - plain).norm() / plain.norm()).item() < 0.02
+            assert ((got - plain).norm() / plain.norm()).item() < 0.02
     torch._dynamo.reset()
 
 

@@ -16,7 +16,7 @@ import urllib.request
 import openai
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import ROOT, device_flags, needs_devices, run_script
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "List three colors:", "Once upon a time, in a small village,", "2 + 2 ="]
@@ -33,6 +33,7 @@ def start_server(checkpoint, *extra, env=None, launcher=()):
     port = free_port()
     cmd = [*launcher] if launcher else [sys.executable]
     cmd += ["serve.py", "--checkpoint", str(checkpoint), "--port", str(port), "--api_key", API_KEY, *map(str, extra)]
+    cmd += device_flags(cmd)
     log = open(ROOT / f".pytest_cache/serve-{port}.log", "w") if (ROOT / ".pytest_cache").exists() else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -60,8 +61,7 @@ def stop_server(proc):
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    proc, url = start_server(smollm2_dir, "--max_batch_size", 16, "--max_seq_length", 1024, "--max_waiting", 8,
-                             "--dtype", "float32", "--device", "cpu")
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 16, "--max_seq_length", 1024, "--max_waiting", 8)
     yield url
     assert stop_server(proc) == 0
 
@@ -279,6 +279,7 @@ def test_serve_cli_errors(tmp_path, smollm2_dir):
 
 def test_tensor_parallel_same_text(smollm2_dir, client):
     """torchrun with 2 ranks on gloo serves the same greedy texts."""
+    needs_devices(2)
     proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 256, "--no-compile",
                              launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
                                        "--nproc_per_node=2"])

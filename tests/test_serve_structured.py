@@ -56,8 +56,7 @@ class Order(BaseModel):
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
     # no compiling: constrained, penalized and logprob requests sample on the host anyway
-    proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 512, "--no-compile",
-                             "--dtype", "float32", "--device", "cpu")
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 512, "--no-compile")
     yield url
     assert stop_server(proc) == 0
 

@@ -10,7 +10,7 @@ import torch
 
 import kernels
 import speculative
-from conftest import random_model, run_script, save_checkpoint
+from conftest import TEST_DEVICE, random_model, run_script, save_checkpoint
 from engine import Chat, Engine, Sampling, load_model, logits_to_probs
 from errors import UserError
 from speculative import DraftProposer, NgramProposer, SpeculativeEngine
@@ -27,7 +27,7 @@ def noisy_copy(model, std, seed=1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * std)
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * std)
     return draft
 
 
@@ -64,7 +64,7 @@ def spec_engine(target, k, draft=None, ngram=None, proposer=None, max_seq_length
 
 @pytest.fixture(scope="module")
 def target():
-    return random_model(seed=0)
+    return random_model(seed=0, device=TEST_DEVICE)
 
 
 # ---------------------------------------------------------------- greedy
@@ -73,8 +73,8 @@ def target():
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("proposer", ["draft=target", "noisy draft", "random draft", "ngram", "scripted"])
 def test_speculative_greedy_is_token_identical(target, proposer, k, adaptive):
-    drafts = {"draft=target": random_model(seed=0), "noisy draft": noisy_copy(target, 0.05),
-              "random draft": random_model(seed=3)}
+    drafts = {"draft=target": random_model(seed=0, device=TEST_DEVICE), "noisy draft": noisy_copy(target, 0.05),
+              "random draft": random_model(seed=3, device=TEST_DEVICE)}
     accepted = 0
     for prompt in PROMPTS:
         expected = plain_greedy(target, prompt, 40)
@@ -95,7 +95,7 @@ def test_quantized_draft_is_token_identical(target, mode, tmp_path):
     import quantize
     src = save_checkpoint(target, tmp_path / "float")
     quantize.main(["--checkpoint", str(src), "--mode", mode, "--groupsize", "32", "--out", str(tmp_path / mode)])
-    draft = load_model(tmp_path / mode)
+    draft = load_model(tmp_path / mode, TEST_DEVICE)
     assert draft.args.quantization["mode"] == mode
     accepted = 0
     for prompt in PROMPTS:
@@ -126,7 +126,7 @@ def test_greedy_stops_at_eos_inside_an_accepted_block_and_at_max_new_tokens(targ
     stop = next(t for i, t in enumerate(free[2:], 2) if t not in free[:i])  # first seen at index >= 2
     cut = free.index(stop) + 1
     for k in (4, 8):  # draft == target: every block is accepted whole, so the stop token is inside one
-        spec = spec_engine(target, k, draft=random_model(seed=0))
+        spec = spec_engine(target, k, draft=random_model(seed=0, device=TEST_DEVICE))
         (out,), stats = spec.generate([prompt], 40, Sampling(), stop_ids=[stop])
         assert out == free[:cut]
         assert stats.target_forwards == 1  # one verify produced the whole block up to the stop token

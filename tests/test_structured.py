@@ -11,7 +11,7 @@ from conftest import run_script
 from engine import (BatchEngine, Engine, Request, Sampling, adjust_logits, check_sampling, load_model,
                     logits_to_probs, sample_rows)
 from errors import UserError
-from grammar import Grammars, unpack_mask
+from grammar import Grammars, unpack_mask, unpack_mask_on_host
 from tokenizer import StopStrings, Tokenizer
 
 S = {"type": "string", "maxLength": 12}
@@ -282,3 +282,24 @@ def test_unpack_mask_reads_bit_t_mod_32_of_word_t_div_32():
     masks = torch.tensor([[1 << 5, -2147483647]], dtype=torch.int32)  # word 1 = 0x80000001: bits 0 and 31
     assert unpack_mask(masks, 64)[0].nonzero().view(-1).tolist() == [5, 32, 63]
     assert unpack_mask(masks, 40).shape == (1, 40)  # the logits' width, not a multiple of 32
+    masks = torch.randint(-2**31, 2**31 - 1, (3, 7), dtype=torch.int32)
+    assert torch.equal(unpack_mask_on_host(masks, 220), unpack_mask(masks, 220))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_mask_in_the_step_equals_masking_on_the_host(smol, compiled):
+    """Grammars alone are applied inside the decode step; with host=True the same masks are applied
+    to the logits on the host (pick_tokens): the same tokens, a row without a grammar included."""
+    model, tok, grammars = smol
+    engine = Engine(model, compile=compiled)
+    engine.jump_forward = False
+    prompts = [chat(tok, "A person as JSON."), chat(tok, "Count to five."), chat(tok, "Pick a code.")]
+    engine.setup(3, max(map(len, prompts)) + 40)
+    schema = grammars.compile("json_schema", SCHEMAS[0])
+    code = grammars.compile("regex", r"[A-Z]{3}-[0-9]{3}")
+    outs = {}
+    for host in (False, True):
+        constraints = [grammars.constraint(schema), None, grammars.constraint(code)]
+        outs[host], _ = engine.generate(prompts, 40, Sampling(), tok.eos_ids, constraints=constraints, host=host)
+    assert outs[False] == outs[True]
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{3}", tok.decode([t for t in outs[False][2] if t not in tok.eos_ids]))

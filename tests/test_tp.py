@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import kernels
-from conftest import ROOT, random_model, save_checkpoint
+from conftest import ROOT, device_flags, needs_devices, random_model, save_checkpoint
 from engine import load_model
 from test_gemma import tiny_gemma3
 from tp import PLAN, TensorParallel, TPError, head_split, sharded_bytes
@@ -41,6 +41,9 @@ def _one_thread(one_thread):
 def torchrun(n: int, *args, timeout=600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="60")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *map(str, args)]
+    if device_flags(cmd):  # a command line: on the test device, one per rank
+        needs_devices(n)
+        cmd += device_flags(cmd)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 

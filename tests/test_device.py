@@ -1,0 +1,134 @@
+"""What the CUDA path needs that a CPU can check: the oldest torch requirements.txt admits, the
+device a user names, the test-device switch, and the decode loop that keeps its inputs on the device."""
+import copy
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import engine
+import tp
+from conftest import ROOT, TEST_DEVICE, device_flags, random_model
+from engine import Engine, Sampling
+from errors import UserError
+
+# API the engine calls -> the torch release that introduced it
+SINCE = {
+    "enable_gqa=": "2.5",
+    "register_fake": "2.4",
+    "is_compiling": "2.3",
+    "assume_constant_result": "2.2",
+    "set_stance": "2.6",
+    "skip_guard_eval_unsafe": "2.7",
+    "all_gather_single": "2.13",
+}
+# used only behind a fallback, each tested below
+WITH_FALLBACK = {"set_stance", "skip_guard_eval_unsafe", "all_gather_single"}
+
+
+def version(text: str) -> tuple:
+    return tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", text).groups())
+
+
+def torch_floor() -> tuple:
+    line = next(x for x in (ROOT / "requirements.txt").read_text().splitlines() if x.startswith("torch"))
+    return version(line.split(">=")[1])
+
+
+def test_requirements_floor_covers_every_api_used_without_a_fallback():
+    source = "\n".join(p.read_text() for p in ROOT.glob("*.py"))
+    assert "enable_gqa=" in source and "all_gather_single" in source  # the scan sees the code
+    too_new = [api for api, since in SINCE.items()
+               if api in source and api not in WITH_FALLBACK and version(since) > torch_floor()]
+    assert not too_new, f"requirements.txt's torch floor is older than what {too_new} need"
+
+
+def test_all_gather_falls_back_to_the_name_older_torch_has(monkeypatch, tmp_path):
+    """Before torch 2.13, all_gather_single is called all_gather_tensor."""
+    calls = []
+    gather = funcol.all_gather_single  # stands in for the old function (here a wrapper of the new one)
+    monkeypatch.delattr(funcol, "all_gather_single")
+    monkeypatch.setattr(funcol, "all_gather_tensor", lambda *a: calls.append(a) or gather(*a))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = torch.randn(2, 3)
+        assert torch.equal(tp.all_gather_single(x, 1, dist.group.WORLD.group_name), x)
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) == 1
+
+
+def test_guard_skipping_is_optional(monkeypatch):
+    """Before torch 2.7 set_stance has no skip_guard_eval_unsafe; before 2.6 there is no set_stance."""
+    assert engine.stance_skips_guards()  # the torch this suite runs on has it
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda stance="default", *, force_backend=None: None)
+    assert not engine.stance_skips_guards()
+    monkeypatch.delattr(torch.compiler, "set_stance")
+    assert not engine.stance_skips_guards()
+    monkeypatch.setattr(engine, "SKIPS_GUARDS", False)
+    with engine.guards_skipped(True):
+        pass
+
+
+def test_a_cuda_index_beyond_the_machine_is_a_user_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert engine.parse_device("cuda:1") == torch.device("cuda:1")
+    assert engine.parse_device("cuda") == torch.device("cuda")
+    with pytest.raises(UserError, match=r"'cuda:2' does not exist: this machine has 2 CUDA device"):
+        engine.parse_device("cuda:2")
+
+
+def test_a_rank_beyond_the_machines_gpus_is_a_user_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match="rank 1 needs cuda:1, but this machine has 1 CUDA device"):
+        tp.init_from_env("cuda")
+
+
+def test_command_lines_run_on_the_test_device_in_float32():
+    assert device_flags(["generate.py", "--prompt", "x"]) == ["--device", TEST_DEVICE, "--dtype", "float32"]
+    assert device_flags([ROOT / "serve.py", "--device", "cpu"]) == ["--dtype", "float32"]
+    assert device_flags(["eval.py", "--dtype", "bfloat16", "--device", "cpu"]) == []
+    assert device_flags(["quantize.py", "--mode", "int8"]) == []  # takes no --device
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lookahead_decode_gives_the_same_tokens(compiled):
+    """Queuing the next step before reading this one's tokens (what CUDA does) changes nothing:
+    rows that stop at different steps, at max_new_tokens and at a stop id."""
+    model = random_model(device=TEST_DEVICE)
+    prompts = [[5, 17, 3, 200, 42], [99, 4, 64]]
+    plain = Engine(model, compile=compiled)
+    plain.setup(2, 128)
+    free, _ = plain.generate(prompts, 24, Sampling())
+    stop = free[0][6]  # row 0 ends early, row 1 runs to the end unless it meets the same token
+    ahead = Engine(copy.deepcopy(model), compile=compiled)
+    ahead.lookahead = True
+    ahead.setup(2, 128)
+    for n, stop_ids in [(24, ()), (24, [stop]), (1, ()), (2, [stop])]:
+        want, want_stats = plain.generate(prompts, n, Sampling(), stop_ids=stop_ids)
+        got, stats = ahead.generate(prompts, n, Sampling(), stop_ids=stop_ids)
+        assert got == want
+        assert stats.finish_reasons == want_stats.finish_reasons
+        assert stats.cached_tokens == want_stats.cached_tokens
+        if stop_ids:
+            assert len(got[0]) < n or n < 7
+    assert len(free[0]) == 24 and free[0].index(stop) == 6
+
+
+def test_decode_positions_stay_on_the_device(monkeypatch):
+    """After the prefill, the loop sends nothing from the host: no torch.tensor per step."""
+    model = random_model(device=TEST_DEVICE)
+    eng = Engine(model)
+    eng.setup(1, 64)
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(engine.torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    out, _ = eng.generate([[5, 6, 7]], 20, Sampling())
+    assert len(out[0]) == 20
+    assert len(made) <= 3, made  # the prompt, its padding, the first position: not one per step
+
