@@ -11,9 +11,11 @@ logit_bias, min_p, top_k, seed) and returns logprobs.
 Structured output (grammar.py, llguidance): `response_format` json_object or json_schema (so
 `client.chat.completions.parse(response_format=PydanticModel)` works), or the extra body fields
 `regex` or `grammar` (llguidance's Lark; vLLM's `guided_regex`, `guided_grammar`, `guided_json` too).
-Tools: with `tool_choice` "required" or naming a function, the output is constrained to a call
-(its `parameters` schema) and comes back as `tool_calls`; with "auto" or "none" the tools are
-ignored and the reply is plain text (no tool call is detected in free text).
+Tools: the chat template is given `tools` (a template that describes tools puts them in the prompt);
+with `tool_choice` "required" or naming a function, the output is constrained to a call (its
+`parameters` schema) and comes back as `tool_calls`; with "auto" or "none" the reply is plain text
+(no tool call is detected in free text). A conversation may carry an assistant's `tool_calls` and
+the `tool` messages that answer them.
 
 The main thread owns the model and calls BatchEngine.step() while there is work. The HTTP side
 (Starlette on uvicorn's asyncio loop, in a thread of its own) checks each request, submits it,
@@ -64,7 +66,7 @@ NEUTRAL = {  # not supported: accepted at the value that means "off", a 400 othe
 }
 COMPLETION_FIELDS = {"prompt", "logprobs"}
 CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SAMPLING_FIELDS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 # extra body fields that constrain the output -> grammar.py's kind of their value (one constraint per request)
 CONSTRAINT_FIELDS = {"regex": "regex", "grammar": "grammar", "guided_regex": "regex", "guided_grammar": "grammar",
@@ -104,6 +106,86 @@ def parse_stop(value) -> list:
     if len(stops) > MAX_STOP:
         raise APIError(400, f"`stop` takes at most {MAX_STOP} strings", "stop")
     return stops
+
+
+def tool_functions(tools) -> dict:
+    """A request's `tools` checked: function name -> its parameters' JSON schema."""
+    if tools is not None and not isinstance(tools, list):
+        raise APIError(400, '`tools` must be a list of {"type": "function", "function": {...}}', "tools")
+    functions = {}
+    for i, tool in enumerate(tools or []):
+        f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                                f'"parameters": {{...}}}}}}', "tools")
+        parameters = f.get("parameters")
+        if parameters is None:  # a function without arguments
+            parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+        if not isinstance(parameters, dict):
+            raise APIError(400, f"tools[{i}]: `parameters` must be a JSON schema object", "tools")
+        if f["name"] in functions:
+            raise APIError(400, f"tools[{i}]: two functions are named {f['name']!r}", "tools")
+        functions[f["name"]] = parameters
+    return functions
+
+
+def chat_messages(messages) -> list:
+    """A request's `messages` as chat templates take them (transformers' format): text content, an
+    assistant's `tool_calls` with their arguments as objects, a tool result with its `tool_call_id`."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "`messages` must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise APIError(400, f"messages[{i}] needs a `role` of {', '.join(ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        message = {"role": m["role"]}
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant messages carry `tool_calls`", "messages")
+            calls = message_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            if calls:
+                message["tool_calls"] = calls
+                if content is None:
+                    content = ""  # templates that ignore tool calls concatenate the content, which None would break
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}] needs a string `content`", "messages")
+        message["content"] = content
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise APIError(400, f"messages[{i}]: a tool result needs the `tool_call_id` of its call", "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        clean.append(message)
+    return clean
+
+
+def message_tool_calls(calls, where: str) -> list:
+    """An assistant message's `tool_calls` checked, each call's `arguments` parsed from its JSON text
+    (templates read them as an object, as transformers' docs ask)."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"`{where}` must be a list of calls", "messages")
+    out = []
+    for k, call in enumerate(calls):
+        f = call.get("function") if isinstance(call, dict) and call.get("type", "function") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise APIError(400, f'`{where}[{k}]` must be {{"id": ..., "type": "function", "function": '
+                                f'{{"name": ..., "arguments": ...}}}}', "messages")
+        arguments = f.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"`{where}[{k}].function.arguments` is not valid JSON ({e})", "messages") from None
+        if not isinstance(arguments, dict):
+            raise APIError(400, f"`{where}[{k}].function.arguments` must be a JSON object", "messages")
+        entry = {"id": call["id"]} if isinstance(call.get("id"), str) else {}
+        out.append({**entry, "type": "function", "function": {"name": f["name"], "arguments": arguments}})
+    return out
 
 
 def call_schema(functions: dict) -> dict:
@@ -357,23 +439,7 @@ class Server:
     def parse_tools(self, body: dict) -> Optional[tuple]:
         """(the JSON schema of the call, the function's name or None when the output names it) under
         `tool_choice` "required" or a named function; None when the output is free text."""
-        tools, choice = body.get("tools"), body.get("tool_choice")
-        functions = {}  # name -> its parameters' JSON schema
-        if tools is not None and not isinstance(tools, list):
-            raise APIError(400, '`tools` must be a list of {"type": "function", "function": {...}}', "tools")
-        for i, tool in enumerate(tools or []):
-            f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-            if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-                raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
-                                    f'"parameters": {{...}}}}}}', "tools")
-            parameters = f.get("parameters")
-            if parameters is None:  # a function without arguments
-                parameters = {"type": "object", "properties": {}, "additionalProperties": False}
-            if not isinstance(parameters, dict):
-                raise APIError(400, f"tools[{i}]: `parameters` must be a JSON schema object", "tools")
-            if f["name"] in functions:
-                raise APIError(400, f"tools[{i}]: two functions are named {f['name']!r}", "tools")
-            functions[f["name"]] = parameters
+        functions, choice = tool_functions(body.get("tools")), body.get("tool_choice")
         if choice is None or choice in ("none", "auto"):  # "auto": no tool call is detected in free text
             return None
         if choice == "required":
@@ -416,24 +482,11 @@ class Server:
         raise APIError(400, "`prompt` must be a non-empty string or a list of token ids", "prompt")
 
     def chat_prompt(self, body: dict) -> list:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "`messages` must be a non-empty list", "messages")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise APIError(400, f"messages[{i}] needs a `role` of {', '.join(ROLES)}", "messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise APIError(400, f"messages[{i}] needs a string `content`", "messages")
-            clean.append({"role": m["role"], "content": content})
+        messages = chat_messages(body.get("messages"))
+        tool_functions(body.get("tools"))  # checked before the template reads them
         try:
-            text = self.tokenizer.apply_chat_template(clean)
+            # given whatever `tool_choice` says: "none" forbids a call, not knowing the tools
+            text = self.tokenizer.apply_chat_template(messages, tools=body.get("tools") or None)
         except Exception as e:  # the template's own raise_exception (e.g. roles out of order)
             raise APIError(400, f"the chat template rejects these messages: {e}", "messages") from None
         return self.tokenizer.encode(text, add_bos=False)  # the template writes any BOS itself

@@ -181,7 +181,11 @@ class Tokenizer:
 
     # --- chat -----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list] = None) -> str:
+        """The conversation as the checkpoint's template writes it. `tools`: the functions the model may
+        call, as transformers passes them ({"type": "function", "function": {...}} each); templates that
+        describe no tools ignore them."""
         if not self.chat_template:
             raise TokenizerError(
                 "this tokenizer has no chat template (no chat_template.jinja and no chat_template in "
@@ -194,7 +198,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-                tools=None,
+                tools=tools,
                 documents=None,
             )
         except Exception as e:  # the template is the checkpoint's code: any error in it is the checkpoint's

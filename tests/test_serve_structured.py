@@ -1,10 +1,12 @@
 """serve.py's structured output and sampling controls, through the official `openai` client:
 `.parse()` with a Pydantic model, json_object / json_schema / regex / grammar, tool calls (named
-and "required", streamed too), logprobs (chat, completions, streamed, under a grammar), penalties,
-logit_bias and min_p, the same constrained greedy text as the engine, and a 400 for each bad input."""
+and "required", streamed too), tools given to the chat template and a conversation that carries a
+call and its result, logprobs (chat, completions, streamed, under a grammar), penalties, logit_bias
+and min_p, the same constrained greedy text as the engine, and a 400 for each bad input."""
 import enum
 import json
 import re
+import shutil
 from typing import Annotated, Literal
 
 import jsonschema
@@ -35,6 +37,23 @@ TOOLS = [
                        "required": ["a", "b"], "additionalProperties": False}}},
 ]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASKED = {"role": "user", "content": "What is the weather in Paris?"}
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}
+CONVERSATION = [ASKED, {"role": "assistant", "content": None, "tool_calls": [CALL]}, RESULT]
+# a template that describes the tools and reads a call's arguments as an object, as tool-calling models' templates do
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}"
+    "{{ t.function.name }}: {{ t.function.description }} {{ t.function.parameters | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<call id={{ c.id }}>{{ c.function.name }}(city={{ c.function.arguments.city }}) "
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{% elif m.role == 'tool' %}<result id={{ m.tool_call_id }}>{{ m.content }}</result>"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 class Color(str, enum.Enum):
@@ -128,6 +147,65 @@ def test_tool_calls_named_and_required(client):
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
+def test_chat_template_sees_tools_and_tool_calls(smollm2_dir, tmp_path, tokenizer):
+    """A template that describes tools gets them, and a call's JSON arguments as an object, rendered as
+    transformers renders them; SmolLM2's own template ignores tools."""
+    import transformers
+
+    from serve import chat_messages
+    from tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    messages = chat_messages(CONVERSATION)
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": {"city": "Paris", "unit": "c"}}}]}
+    ours = Tokenizer(tmp_path).apply_chat_template(messages, tools=TOOLS)
+    assert "get_weather: The weather in a city" in ours and "add: Add two numbers" in ours
+    assert '<call id=call_1>get_weather(city=Paris) {"city": "Paris", "unit": "c"}</call>' in ours
+    assert "<result id=call_1>18 degrees and sunny</result>" in ours
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(smollm2_dir / "tokenizer.json"))
+    assert ours == hf.apply_chat_template(messages, tools=TOOLS, chat_template=TOOLS_TEMPLATE, tokenize=False,
+                                          add_generation_prompt=True)
+    assert "Tools:" not in Tokenizer(tmp_path).apply_chat_template(messages)
+    smollm2 = tokenizer.apply_chat_template(messages, tools=TOOLS)
+    assert smollm2 == tokenizer.apply_chat_template(messages) and "18 degrees and sunny" in smollm2
+
+
+def test_tool_conversation_is_served(server, client, tokenizer):
+    """A conversation that carries a call and its result, with tools, gets a text reply; its prompt is
+    the template's rendering of the conversation; a named call may follow the result."""
+    from serve import chat_messages
+
+    r = client.chat.completions.create(model=MODEL, messages=CONVERSATION, tools=TOOLS, temperature=0, max_tokens=16)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+    text = tokenizer.apply_chat_template(chat_messages(CONVERSATION), tools=TOOLS)
+    assert r.usage.prompt_tokens == len(tokenizer.encode(text, add_bos=False))
+    conversation_tokens = r.usage.prompt_tokens
+    r = chat(client, "What is the weather in Paris?", max_tokens=8, tools=TOOLS)  # tools, no call asked for
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+    # this server's own call sent back, then a call of another function
+    first = chat(client, "What is the weather in Paris?", max_tokens=40, tools=TOOLS,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    assert first.finish_reason == "tool_calls"
+    call = first.message.tool_calls[0]
+    messages = [ASKED, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+                {"role": "user", "content": "And what is 2 + 3?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=30,
+                                       tool_choice=NAMED)
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_call(r.choices[0].message.tool_calls[0], "add")
+    # arguments as an object and a result as text parts: the same prompt
+    as_object = {**CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}
+    as_parts = {**RESULT, "content": [{"type": "text", "text": "18 degrees and sunny"}]}
+    code, reply = post(server, CHAT, {"messages": [ASKED, {"role": "assistant", "tool_calls": [as_object]}, as_parts],
+                                      "tools": TOOLS, "max_tokens": 4})
+    assert code == 200 and reply["usage"]["prompt_tokens"] == conversation_tokens, reply
+
+
 def test_constrained_greedy_matches_engine(client, smollm2_dir, tokenizer):
     """The server's greedy JSON for a schema is the engine's (Engine.generate with the same constraint)."""
     from engine import Engine, Sampling, load_model
@@ -210,6 +288,16 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 NAMED = {"type": "function", "function": {"name": "add"}}
 
 
+def calling(calls, **result):
+    """The question, an assistant message with `calls`, and a tool message of `result`'s fields if any."""
+    return [ASKED, {"role": "assistant", "content": None, "tool_calls": calls}] + ([{"role": "tool", **result}]
+                                                                                   if result else [])
+
+
+def with_arguments(arguments):
+    return {**CALL, "function": {"name": "get_weather", "arguments": arguments}}
+
+
 @pytest.mark.parametrize("path,body,param", [
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
      "response_format"),
@@ -241,6 +329,18 @@ NAMED = {"type": "function", "function": {"name": "add"}}
     (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
             "tool_choice": "required"}, "tools"),
     (CHAT, {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
+    (CHAT, {"messages": calling([CALL], tool_call_id="call_1")}, "messages"),  # a result without content
+    (CHAT, {"messages": calling([CALL], tool_call_id="call_1", content=None)}, "messages"),
+    (CHAT, {"messages": calling([CALL], content="18 degrees")}, "messages"),  # ... without its call's id
+    (CHAT, {"messages": calling(CALL)}, "messages"),  # tool_calls not a list
+    (CHAT, {"messages": calling("get_weather")}, "messages"),
+    (CHAT, {"messages": calling([with_arguments('{"city": Paris}')])}, "messages"),  # arguments not JSON
+    (CHAT, {"messages": calling([with_arguments("[1, 2]")])}, "messages"),  # ... not an object
+    (CHAT, {"messages": calling([with_arguments(None)])}, "messages"),
+    (CHAT, {"messages": calling([{"id": "call_1", "type": "function"}])}, "messages"),  # no function
+    (CHAT, {"messages": calling([])}, "messages"),  # no call, no content
+    (CHAT, {"messages": [{**ASKED, "tool_calls": [CALL]}]}, "messages"),  # a user's call
+    (CHAT, {"messages": [ASKED], "tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
 ])
 def test_bad_input(server, path, body, param):
     body = {"messages": MESSAGES, **body} if path == CHAT else body
