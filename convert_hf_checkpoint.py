@@ -21,6 +21,7 @@ nothing half-written and keeps an existing good output.
 """
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from tqdm import tqdm
 
 from checkpoint import TOKENIZER_FILES, check_state, copy_files, write_checkpoint
 from errors import ConvertError, one_line, run_cli
-from model import ModelArgs
+from model import CONFIG_MAX, ModelArgs
 from tokenizer import gguf_field, write_tokenizer_from_gguf
 
 # HF config "architectures" entry -> our architecture name
@@ -96,25 +97,129 @@ def progress(desc: str, total=None, unit: str = "tensor") -> tqdm:
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty(), leave=False)
 
 
+# ---------------------------------------------------------------- config.json values, checked
+
+REQUIRED = object()  # the default of a key config.json must have
+
+
+def shown(value) -> str:
+    return repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+
+
+def hf_number(cfg: dict, key: str, kind: type, default, name: str):
+    """cfg[key] as an int or a finite float; None when absent or null, unless REQUIRED."""
+    value = cfg.get(key)
+    if value is None:
+        if default is REQUIRED:
+            raise ConvertError(f"config.json lacks {name!r}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConvertError(f"config.json key {name!r}: {shown(value)} is not {'an integer' if kind is int else 'a number'}")
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 4096.0: a writer that stores every number as a float
+    if kind is int and not isinstance(value, int):
+        raise ConvertError(f"config.json key {name!r}: {shown(value)} is not an integer")
+    if kind is float and not math.isfinite(value):
+        raise ConvertError(f"config.json key {name!r}: {shown(value)} is not a finite number")
+    return kind(value)
+
+
+def hf_int(cfg: dict, key: str, default=REQUIRED, low: int = 1, high: int = 2 ** 31 - 1, name: str = None) -> int:
+    """A size or a count from config.json (low..high; default when absent or null): a wrong type
+    or range is a line naming the key, not a TypeError or ZeroDivisionError further on. name: the
+    key as the user sees it, e.g. inside rope_parameters."""
+    value = hf_number(cfg, key, int, default, name or key)
+    if value is None:
+        return default
+    if not low <= value <= high:
+        raise ConvertError(f"config.json key {name or key!r}: {value} is not an integer in {low}..{high}")
+    return value
+
+
+def hf_layers(cfg: dict) -> int:
+    """num_hidden_layers, bounded as ModelArgs bounds it: per-layer lists are built from it first."""
+    return hf_int(cfg, "num_hidden_layers", high=CONFIG_MAX["n_layers"])
+
+
+def hf_float(cfg: dict, key: str, default=REQUIRED, positive: bool = True, name: str = None) -> float:
+    """A scale or a rate from config.json: finite, and > 0 unless positive=False."""
+    value = hf_number(cfg, key, float, default, name or key)
+    if value is None:
+        return default
+    if positive and not value > 0:
+        raise ConvertError(f"config.json key {name or key!r}: {value} is not a positive number")
+    return value
+
+
+def hf_dict(cfg: dict, key: str, name: str = None) -> dict:
+    """A nested object of config.json ({} when absent or null)."""
+    value = cfg.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConvertError(f"config.json key {name or key!r}: {shown(value)} is not an object")
+    return value
+
+
+def hf_str(cfg: dict, key: str, default=None):
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise ConvertError(f"config.json key {key!r}: {shown(value)} is not a string")
+    return value
+
+
+def hf_bool(cfg: dict, key: str) -> bool:
+    value = cfg.get(key) or False
+    if not isinstance(value, bool):  # bool("false") would be True
+        raise ConvertError(f"config.json key {key!r}: {shown(value)} is not true or false")
+    return value
+
+
 # ---------------------------------------------------------------- what each architecture implies
+
+ROPE_FLOATS = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+               "mscale", "mscale_all_dim")
+
+
+def rope_params(cfg: dict) -> tuple[dict, str]:
+    """transformers 5's rope_parameters or the older rope_scaling, and which of them it was."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    return dict(hf_dict(cfg, key)), key
+
 
 def hf_rope(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from transformers 5 `rope_parameters` or the older
     `rope_theta` + `rope_scaling` (whose kind is under "type" or "rope_type")."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
+    params, key = rope_params(cfg)
+    # 0 or null: unset
+    theta = (hf_float(params, "rope_theta", None, positive=False, name=f"{key}.rope_theta")
+             or hf_float(cfg, "rope_theta", None, positive=False) or 10000.0)
+    if theta < 0:
+        raise ConvertError(f"config.json key 'rope_theta': {theta} is not a positive number")
+    params.pop("rope_theta", None)
+    for name in ROPE_FLOATS:  # model.rope_inv_freq skips some for some kinds; none may be unusable
+        params[name] = hf_float(params, name, None, positive=name not in ("mscale", "mscale_all_dim"),
+                                name=f"{key}.{name}")
+    params["original_max_position_embeddings"] = hf_int(params, "original_max_position_embeddings", None,
+                                                        name=f"{key}.original_max_position_embeddings")
+    params = {name: value for name, value in params.items() if value is not None}
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)  # Llama 3.1 configs carry both spellings
     params.pop("partial_rotary_factor", None)  # ModelArgs.rope_dim (rope_dim_of)
     if kind == "default":
         return theta, None
+    if kind in ("linear", "dynamic", "yarn", "llama3") and "factor" not in params:  # dynamic reads it only mid-generation
+        raise ConvertError(f"config.json key {key!r}: RoPE scaling {shown(kind)} needs a factor")
     return theta, {"rope_type": kind, **params}
 
 
 def rope_dim_of(cfg: dict, head_dim: int) -> int | None:
     """Rotated dims per head from partial_rotary_factor (Phi-4-mini: 0.75), in rope_parameters or at the top."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+    params, key = rope_params(cfg)
+    partial = (hf_float(params, "partial_rotary_factor", None, name=f"{key}.partial_rotary_factor")
+               or hf_float(cfg, "partial_rotary_factor", 1.0))
+    if partial > 1:
+        raise ConvertError(f"config.json key 'partial_rotary_factor': {partial} is not in (0, 1]")
     return None if partial == 1.0 else int(head_dim * partial)
 
 
@@ -127,15 +232,16 @@ def gemma3_rope(cfg: dict) -> tuple[float, dict | None, float]:
     """(global theta, global scaling, local theta): Gemma 3 scales RoPE on global layers only.
     transformers 5 writes one rope_parameters dict per layer type; older configs write
     rope_theta + rope_scaling (global) and rope_local_base_freq."""
-    params = cfg.get("rope_parameters") or {}
+    params = hf_dict(cfg, "rope_parameters")
+    local_theta = hf_float(cfg, "rope_local_base_freq")
     if "full_attention" in params:
-        theta, scaling = hf_rope({"rope_parameters": params["full_attention"]})
-        local = params.get("sliding_attention") or {}
+        theta, scaling = hf_rope({"rope_parameters": hf_dict(params, "full_attention", "rope_parameters.full_attention")})
+        local = hf_dict(params, "sliding_attention", "rope_parameters.sliding_attention")
         if local.get("rope_type", "default") != "default":
-            raise ConvertError(f"RoPE scaling on sliding layers ({local['rope_type']!r}) is not supported")
-        return theta, scaling, float(local.get("rope_theta", cfg["rope_local_base_freq"]))
+            raise ConvertError(f"RoPE scaling on sliding layers ({shown(local['rope_type'])}) is not supported")
+        return theta, scaling, hf_float(local, "rope_theta", local_theta, name="rope_parameters.sliding_attention.rope_theta")
     theta, scaling = hf_rope(cfg)
-    return theta, scaling, float(cfg["rope_local_base_freq"])
+    return theta, scaling, local_theta
 
 
 def phi3_rope(cfg: dict) -> tuple[float, dict | None, None]:
@@ -143,7 +249,7 @@ def phi3_rope(cfg: dict) -> tuple[float, dict | None, None]:
     prefers to a copy among the factors."""
     theta, scaling = hf_rope(cfg)
     if scaling:
-        scaling["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
+        scaling["original_max_position_embeddings"] = hf_int(cfg, "original_max_position_embeddings")
     return theta, scaling, None
 
 
@@ -161,9 +267,9 @@ def upper_layers_slide(cfg: dict, n_layers: int) -> tuple:
     that out in layer_types)."""
     if not cfg.get("use_sliding_window"):
         return None, None
+    first = hf_int(cfg, "max_window_layers", n_layers, low=0)
     return cfg.get("sliding_window"), cfg.get("layer_types") or [
-        "sliding_attention" if i >= cfg.get("max_window_layers", n_layers) else "full_attention"
-        for i in range(n_layers)]
+        "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
 
 
 def listed_layers_slide(cfg: dict, n_layers: int) -> tuple:
@@ -180,7 +286,7 @@ def layer_types_slide(cfg: dict, n_layers: int) -> tuple:
 
 def every_nth_layer_global(cfg: dict, n_layers: int) -> tuple:
     """Gemma 2/3: sliding_window_pattern - 1 sliding layers, then one global, repeated."""
-    every = int(cfg["sliding_window_pattern"])
+    every = hf_int(cfg, "sliding_window_pattern")
     return cfg.get("sliding_window"), cfg.get("layer_types") or [
         "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
 
@@ -204,32 +310,33 @@ class Architecture:
 
 def nope_layers(cfg: dict) -> dict:
     """SmolLM3's no_rope_layers is a per-layer flag, 1 where RoPE *is* applied (default: every 4th layer has none)."""
-    n, every = int(cfg["num_hidden_layers"]), int(cfg.get("no_rope_layer_interval", 4))
+    n, every = hf_layers(cfg), hf_int(cfg, "no_rope_layer_interval", 4)
     flags = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(flags, list):
+        raise ConvertError(f"config.json key 'no_rope_layers': {shown(flags)} is not a list")
     return dict(nope_layers=[i for i, use_rope in enumerate(flags) if not use_rope])
 
 
 def gpt_oss_fields(cfg: dict) -> dict:
     """Biases on q/k/v and o alike, attention sinks, experts with biases and the clamped SwiGLU;
     the router's softmax over its top-k logits equals renormalized top-k probabilities."""
-    return dict(moe_fields(True)(cfg), attention_sinks=True, moe_bias=True, swiglu_limit=float(cfg["swiglu_limit"]), swiglu_alpha=float(cfg["swiglu_alpha"]))
+    return dict(moe_fields(True)(cfg), attention_sinks=True, moe_bias=True, swiglu_limit=hf_float(cfg, "swiglu_limit"),
+                swiglu_alpha=hf_float(cfg, "swiglu_alpha", positive=False))
 
 
 def granite_multipliers(cfg: dict) -> dict:
-    return dict(embedding_scale=float(cfg.get("embedding_multiplier", 1.0)),
-                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
-                attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
-                logits_scaling=float(cfg.get("logits_scaling", 1.0)))
+    return dict(embedding_scale=hf_float(cfg, "embedding_multiplier", 1.0),
+                residual_multiplier=hf_float(cfg, "residual_multiplier", 1.0, positive=False),
+                attention_multiplier=hf_float(cfg, "attention_multiplier", 1.0),
+                logits_scaling=hf_float(cfg, "logits_scaling", 1.0))
 
 
 def moe_fields(norm_topk_prob_default: bool) -> Callable:
     def read(cfg: dict) -> dict:
-        try:
-            n = cfg.get("num_local_experts") or cfg["num_experts"]  # transformers 5 renames num_experts
-            k = int(cfg["num_experts_per_tok"])
-        except KeyError as e:
-            raise ConvertError(f"config.json lacks {e.args[0]!r}") from None
-        return dict(n_experts=int(n), n_experts_per_token=k, moe_intermediate_size=cfg.get("moe_intermediate_size"),
+        # transformers 5 renames num_experts
+        n = hf_int(cfg, "num_local_experts", None) or hf_int(cfg, "num_experts")
+        k = hf_int(cfg, "num_experts_per_tok")
+        return dict(n_experts=n, n_experts_per_token=k, moe_intermediate_size=hf_int(cfg, "moe_intermediate_size", None),
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_topk_prob_default)))
     return read
 
@@ -293,17 +400,24 @@ def read_json(path: Path) -> dict:
     return d
 
 
-def token_ids(value) -> list:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+def token_ids(cfg: dict, key: str, vocab_size: int, file: str = "config.json") -> list:
+    """cfg[key]: a token id or a list of them (none when absent or null), each inside the vocabulary."""
+    value = cfg.get(key)
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise ConvertError(f"{file} key {key!r}: {shown(value)} is not a token id in 0..{vocab_size - 1} "
+                               "(or a list of them)")
+    return ids
 
 
 def hf_architecture(cfg: dict) -> str:
     """Our architecture name for a config.json: its "architectures" entry, else its model_type."""
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConvertError(f"config.json key 'architectures': {shown(archs)} is not a list of names")
     arch = HF_ARCHITECTURES.get(archs[0]) if archs else None
-    model_type = cfg.get("model_type")
+    model_type = hf_str(cfg, "model_type")
     if arch is None:
         arch = HF_MODEL_TYPES.get(model_type) or (model_type if model_type in HF_ARCHITECTURES.values() else None)
     if arch is None:
@@ -326,42 +440,45 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
     for key, value in family.requires.items():
         if cfg.get(key, value) != value:
             raise ConvertError(f"{key}={cfg[key]!r} is not supported for {arch} (only {value!r})")
-    try:
-        n_layers = int(cfg["num_hidden_layers"])
-        n_heads = int(cfg["num_attention_heads"])
-        dim, vocab, ffn = int(cfg["hidden_size"]), int(cfg["vocab_size"]), int(cfg["intermediate_size"])
-    except KeyError as e:
-        raise ConvertError(f"config.json lacks {e.args[0]!r}") from None
+    n_layers, n_heads = hf_layers(cfg), hf_int(cfg, "num_attention_heads")
+    dim, vocab, ffn = hf_int(cfg, "hidden_size"), hf_int(cfg, "vocab_size"), hf_int(cfg, "intermediate_size")
+    head_dim = hf_int(cfg, "head_dim", None)
+    if head_dim is None and dim < n_heads:
+        raise ConvertError(f"config.json: hidden_size {dim} is less than num_attention_heads {n_heads} "
+                           "and there is no head_dim")
     sliding_window, layer_types = family.windows(cfg, n_layers)
     if sliding_window is None:
         layer_types = None  # a "sliding" layer without a window attends globally anyway
     rope_theta, rope_scaling, rope_local_theta = family.rope(cfg)
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"  # Gemma 2/3 name it hidden_activation
-    scalar = cfg.get("query_pre_attn_scalar")
+    # Gemma 2/3 name it hidden_activation
+    act = hf_str(cfg, "hidden_activation") or hf_str(cfg, "hidden_act") or "silu"
     # generation_config.json is what HF generate() stops on; config.json is the fallback
-    eos = token_ids(gen_cfg.get("eos_token_id", cfg.get("eos_token_id")))
-    bos = gen_cfg.get("bos_token_id", cfg.get("bos_token_id"))
+    ids = {key: token_ids(gen_cfg, key, vocab, "generation_config.json") if key in gen_cfg
+           else token_ids(cfg, key, vocab) for key in ("bos_token_id", "eos_token_id")}
+    if len(ids["bos_token_id"]) > 1:
+        raise ConvertError(f"bos_token_id: {ids['bos_token_id']} is not a single token id")
+    attention_bias = hf_bool(cfg, "attention_bias")
     fields = dict(
         architecture=arch, vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=cfg.get("head_dim"),
-        rope_dim=rope_dim_of(cfg, cfg.get("head_dim") or dim // n_heads),
-        intermediate_size=ffn, norm_eps=float(cfg["rms_norm_eps"]),
+        n_kv_heads=hf_int(cfg, "num_key_value_heads", n_heads), head_dim=head_dim,
+        rope_dim=rope_dim_of(cfg, head_dim or dim // n_heads),
+        intermediate_size=ffn, norm_eps=hf_float(cfg, "rms_norm_eps"),
         rope_theta=rope_theta, rope_scaling=rope_scaling, rope_local_theta=rope_local_theta,
-        max_position_embeddings=int(cfg["max_position_embeddings"]),
-        attention_bias=bool(cfg["attention_bias"]), tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
-        attention_out_bias=bool(cfg["attention_bias"]) and family.o_proj_bias,
+        max_position_embeddings=hf_int(cfg, "max_position_embeddings"),
+        attention_bias=attention_bias, tie_word_embeddings=hf_bool(cfg, "tie_word_embeddings"),
+        attention_out_bias=attention_bias and family.o_proj_bias,
         sliding_window=sliding_window, layer_types=layer_types, hidden_act=family.activations.get(act, act),
         embedding_scale=dim ** 0.5 if family.scaled_embeddings else None,
-        query_pre_attn_scalar=None if scalar is None else float(scalar),
-        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
-        final_logit_softcapping=cfg.get("final_logit_softcapping"),
-        bos_token_id=None if bos is None else int(bos), eos_token_ids=list(dict.fromkeys(eos)))
+        query_pre_attn_scalar=hf_float(cfg, "query_pre_attn_scalar", None),
+        attn_logit_softcapping=hf_float(cfg, "attn_logit_softcapping", None),
+        final_logit_softcapping=hf_float(cfg, "final_logit_softcapping", None),
+        bos_token_id=(ids["bos_token_id"] or [None])[0], eos_token_ids=list(dict.fromkeys(ids["eos_token_id"])))
     fields.update(family.args)
     fields.update(family.fields(cfg))
-    try:
-        return ModelArgs(**fields)
+    try:  # each field's type and range checked as at load, those passed through unread (sliding_window, layer_types) too
+        return ModelArgs.from_dict(fields)
     except ValueError as e:  # model.ConfigError: a configuration the model refuses
-        raise ConvertError(str(e)) from None
+        raise ConvertError(f"config.json: {e}") from None
 
 
 # ---------------------------------------------------------------- Hugging Face: weights

@@ -28,7 +28,7 @@ from torch import Tensor
 import checkpoint
 import kernels
 import quantize
-from errors import UserError
+from errors import TokenizerError, UserError
 from grammar import allow_tokens, token_masks, unpack_mask
 from model import Transformer, param_bytes
 
@@ -84,6 +84,36 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_
     if fast_kernels:
         kernels.install(model)
     return model.eval()
+
+
+def trained_context(args) -> int:
+    """Positions the model was trained for: max_position_embeddings, times the factor of the RoPE
+    scalings whose configs keep the original length there (linear, dynamic, YaRN), as vLLM reads them."""
+    scaling = args.rope_scaling or {}
+    factor = scaling.get("factor")
+    if scaling.get("rope_type") not in ("linear", "dynamic", "yarn") or not isinstance(factor, (int, float)) \
+            or not 1 < factor < 2 ** 31:
+        return args.max_position_embeddings
+    original = scaling.get("original_max_position_embeddings") if scaling["rope_type"] == "yarn" else None
+    original = original if isinstance(original, int) and original > 0 else args.max_position_embeddings
+    return max(args.max_position_embeddings, int(original * factor))
+
+
+def check_vocabulary(tok, args, where) -> None:
+    """Every token id the tokenizer gives text, and its BOS and EOS, must index the model's
+    embedding: tokenizer files of another model fail here, not as an index error mid-generation.
+    Special tokens past the embedding are allowed (Gemma 3's image token); a prompt that holds one
+    is refused where it is encoded."""
+    if tok._hf is not None:  # tokenizer.json
+        special = {i for i, t in tok._hf.get_added_tokens_decoder().items() if t.special}
+        ids = set(tok._hf.get_vocab(with_added_tokens=True).values()) - special
+    else:  # SentencePiece: ids 0..pieces-1; control pieces are the special ones
+        ids = set(range(args.vocab_size, tok.vocab_size)) - tok._special_ids
+    ids.update(i for i in (tok.bos_id, *tok.eos_ids) if i is not None)
+    past = sorted(i for i in ids if i >= args.vocab_size)
+    if past:
+        raise TokenizerError(f"{where}: the tokenizer has token ids up to {past[-1]} ({len(past)} of them past the "
+                        f"model's vocabulary of {args.vocab_size}): tokenizer files of another model?")
 
 
 def parse_device(name: str) -> torch.device:

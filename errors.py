@@ -2,9 +2,13 @@
 
 Library code raises a subclass of `UserError`; each command line's `__main__` hands its `main` to
 `run_cli`, the only place that turns the error into that line. Anything else is a bug and keeps
-its traceback. Ctrl-C prints `interrupted` and exits 130.
+its traceback. Ctrl-C prints `interrupted` and exits 130, also while a script still imports torch
+(`quiet_ctrl_c`, before run_cli).
 """
+import os
+import signal
 import sys
+import threading
 
 
 class UserError(Exception):
@@ -40,8 +44,21 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def interrupted_quietly(signum, frame):
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)  # nothing is written before main(); an import's `except:` cannot swallow this
+
+
+def quiet_ctrl_c():
+    """Until run_cli starts: Ctrl-C exits 130 without the traceback of whatever was importing
+    (torch takes seconds)."""
+    signal.signal(signal.SIGINT, interrupted_quietly)
+
+
 def run_cli(main, argv=None):
     """Run a command line's main(): a UserError becomes `error: ...` on stderr and exit 1."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is interrupted_quietly:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt again: cleanups run on the way out
     try:
         main(argv)
     except UserError as e:

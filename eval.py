@@ -15,11 +15,17 @@ import math
 import sys
 from pathlib import Path
 
+import errors
+
+if __name__ == "__main__":
+    errors.quiet_ctrl_c()  # Ctrl-C while torch imports exits 130 as it does later
+
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine import load_model, log, parse_device, parse_dtype
+import checkpoint
+from engine import check_vocabulary, load_model, log, parse_device, parse_dtype, trained_context
 from errors import UserError, run_cli
 from tokenizer import Tokenizer
 
@@ -66,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=0,
                    help="feed each window N tokens at a time through the KV cache, as decoding does "
                         "(N <= 16 on CPU: the int8-activation kernels of quantized layers); default: whole windows")
+    p.add_argument("--extend_context", action="store_true",
+                   help="allow a --window past the model's trained context (max_position_embeddings, or what its "
+                        "RoPE scaling extends it to), with a warning")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     return p
@@ -83,6 +92,8 @@ def main(argv=None):
     if not args.text.is_file():
         raise UserError(f"text file {args.text} not found")
     tokenizer = Tokenizer(args.checkpoint)
+    config = checkpoint.read_config(args.checkpoint)
+    check_vocabulary(tokenizer, config, args.checkpoint)
     try:
         text = args.text.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -90,6 +101,16 @@ def main(argv=None):
     ids = tokenizer.encode(text)[:args.max_tokens]
     if len(ids) < 2:
         raise UserError(f"{args.text} has fewer than 2 tokens")
+    past = next((t for t in ids if t >= config.vocab_size), None)
+    if past is not None:  # a special token written in the text, past the embedding
+        raise UserError(f"{args.text} holds token {past} ({tokenizer.decode([past])!r}), past the model's "
+                        f"vocabulary of {config.vocab_size}")
+    context, window = trained_context(config), min(args.window, len(ids))
+    if window > context:
+        where = f"--window {args.window} is past the model's trained context of {context} tokens"
+        if not args.extend_context:
+            raise UserError(f"{where}: lower it, or pass --extend_context to score past it anyway")
+        log(f"warning: {where}; the perplexity there says little about the model")
     model = load_model(args.checkpoint, device, dtype)
     scheme = model.args.quantization
     log(f"{args.checkpoint} ({scheme['mode'] if scheme else args.dtype}): {len(ids)} tokens of {args.text}, "

@@ -11,20 +11,26 @@ Generated text goes to stdout; logs and metrics go to stderr.
 """
 import argparse
 import contextlib
+import math
 import sys
 import time
 from pathlib import Path
+
+import errors
+
+if __name__ == "__main__":
+    errors.quiet_ctrl_c()  # Ctrl-C while torch imports exits 130 as it does later
 
 import torch
 
 import speculative
 import checkpoint
 from checkpoint import write_json
-from engine import (MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Sampling, check_sampling, load_model, log,
-                    parse_device, parse_dtype)
+from engine import (MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Sampling, check_sampling, check_vocabulary,
+                    load_model, log, parse_device, parse_dtype, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
-from model import param_bytes
+from model import ModelArgs, param_bytes
 from tokenizer import StopStrings, Tokenizer
 from tp import init_from_env
 
@@ -154,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16",
                    help="float32, bfloat16 or float16")
     p.add_argument("--max_seq_length", type=int, default=None,
-                   help="KV cache length (default: what the prompt and max_new_tokens need; 4096 when interactive)")
+                   help="KV cache length (default: what the prompt and max_new_tokens need; 4096 when interactive; "
+                        "at most the model's trained context)")
+    p.add_argument("--extend_context", action="store_true",
+                   help="allow a KV cache past the model's trained context (max_position_embeddings, or what its "
+                        "RoPE scaling extends it to), with a warning: the output usually degrades there")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat / --interactive")
     p.add_argument("--interactive", action="store_true",
@@ -186,8 +196,10 @@ def check_args(args):
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1")
-    if args.temperature < 0:
-        raise UserError("--temperature must be >= 0")
+    if not 0 <= args.temperature < math.inf:
+        raise UserError("--temperature must be a finite number >= 0")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:  # tp.py sends it as an int64
+        raise UserError("--seed must be in [0, 2**63)")
     if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
         raise UserError(f"--logprobs must be in [0, {MAX_LOGPROBS}]")
     if args.max_seq_length is not None and args.max_seq_length < 2:
@@ -241,7 +253,8 @@ def read_text(path: Path, flag: str) -> str:
         raise UserError(f"{flag}: cannot read {path} ({e.strerror if isinstance(e, OSError) else e})") from None
 
 
-def encode_prompts(tok: Tokenizer, args) -> list:
+def encode_prompts(tok: Tokenizer, args, config: ModelArgs) -> list:
+    """Each prompt's token ids; an empty prompt is the model's BOS token alone (generation from scratch)."""
     texts = args.prompt or ["Hello, my name is"]
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
@@ -249,6 +262,16 @@ def encode_prompts(tok: Tokenizer, args) -> list:
         prompts = [tok.encode(t, add_bos=False) for t in texts]  # the template writes any BOS itself
     else:
         prompts = [tok.encode(t) for t in texts]
+    bos = config.bos_token_id if config.bos_token_id is not None else tok.bos_id
+    if any(not p for p in prompts):
+        if bos is None:
+            raise UserError("the prompt is empty and this model has no BOS token to start from "
+                            "(neither config.json's bos_token_id nor the tokenizer's): give some text")
+        prompts = [p or [bos] for p in prompts]
+    past = next((t for p in prompts for t in p if t >= config.vocab_size), None)
+    if past is not None:  # a special token typed as text, past the embedding
+        raise UserError(f"the prompt holds token {past} ({tok.decode([past])!r}), past the model's vocabulary "
+                        f"of {config.vocab_size}")
     prompts = prompts * args.batch_size if len(prompts) == 1 else prompts
     longest = max(len(p) for p in prompts)
     if args.max_seq_length is not None and longest >= args.max_seq_length:
@@ -257,6 +280,32 @@ def encode_prompts(tok: Tokenizer, args) -> list:
         raise UserError(f"prompt ({longest} tokens) + --max_new_tokens ({args.max_new_tokens}) exceeds "
                         f"--max_seq_length {args.max_seq_length}")
     return prompts
+
+
+def cache_length(args, config: ModelArgs, prompts) -> int:
+    """The KV cache's length: --max_seq_length, or what the prompts, --max_new_tokens and a
+    verify's k slots past the last token need, rounded up to 256 so that nearby lengths share one
+    compiled graph (4096 interactive); past the model's trained context only with --extend_context."""
+    context = trained_context(config)
+    if args.max_seq_length is not None:
+        length = need = args.max_seq_length
+        asked = f"--max_seq_length {need}"
+    elif prompts is None:
+        return min(4096, context)
+    else:
+        longest = max(len(p) for p in prompts)
+        spare = args.speculate_k if args.draft_checkpoint or args.ngram is not None else 0
+        need = longest + args.max_new_tokens + spare
+        asked = f"the prompt ({longest} tokens) + --max_new_tokens ({args.max_new_tokens})" + \
+            (f" + --speculate_k ({spare})" if spare else "")
+        length = max(min(-(-need // 256) * 256, context), need)
+    if need > context:
+        where = f"the model's trained context of {context} tokens (max_position_embeddings in config.json" + \
+            (", with its RoPE scaling)" if context != config.max_position_embeddings else ")")
+        if not args.extend_context:
+            raise UserError(f"{asked} is past {where}: lower it, or pass --extend_context to go past it anyway")
+        log(f"warning: {asked} is past {where}; the output usually degrades there")
+    return length
 
 
 def report(tok: Tokenizer, stats, constrained: bool):
@@ -335,11 +384,13 @@ def main(argv=None):
         torch.manual_seed(seed)
     checkpoint.require_dir(args.checkpoint)
     tok = Tokenizer(args.checkpoint)
+    config = checkpoint.read_config(args.checkpoint)
+    check_vocabulary(tok, config, args.checkpoint)
     sampling = parse_sampling(args)
-    vocab_size = checkpoint.read_config(args.checkpoint).vocab_size
-    check_sampling(sampling, vocab_size)
-    grammars, grammar = read_constraint(args, tok, vocab_size)  # a bad schema fails before the weights load
-    prompts = None if args.interactive else encode_prompts(tok, args)  # check lengths before loading weights
+    check_sampling(sampling, config.vocab_size)
+    grammars, grammar = read_constraint(args, tok, config.vocab_size)  # a bad schema fails before the weights load
+    prompts = None if args.interactive else encode_prompts(tok, args, config)  # check lengths before loading weights
+    max_seq_length = cache_length(args, config, prompts)
     if args.draft_checkpoint:
         speculative.check_same_tokenizer(args.checkpoint, args.draft_checkpoint)
     engine = build_engine(args, tp, device, dtype, draft_dtype)
@@ -353,14 +404,11 @@ def main(argv=None):
 
     host = sampling.adjusts or args.logprobs is not None  # the compiled step returns logits
     if args.interactive:
-        engine.setup(1, args.max_seq_length or 4096)
+        engine.setup(1, max_seq_length)
         engine.warm_up([[0]], sampling, host=host, constrained=bool(grammar))
         all_metrics = run_interactive(engine, tok, args, sampling, options)
     else:
-        longest = max(len(p) for p in prompts)
-        # round up so that nearby lengths share one compiled graph; a verify writes k slots past the last token
-        spare = args.speculate_k if isinstance(engine, speculative.SpeculativeEngine) else 0
-        engine.setup(len(prompts), args.max_seq_length or -(-(longest + args.max_new_tokens + spare) // 256) * 256)
+        engine.setup(len(prompts), max_seq_length)
         engine.warm_up(prompts, sampling, host=host, constrained=bool(grammar))
         all_metrics = []
         for i in range(args.num_samples):

@@ -42,7 +42,7 @@ import torch
 
 import checkpoint
 from engine import (MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan, bucket, check_sampling,
-                    decode_logits, load_model, log, parse_device, parse_dtype)
+                    check_vocabulary, decode_logits, load_model, log, parse_device, parse_dtype, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
 from model import param_bytes
@@ -869,7 +869,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max_batch_size", type=int, default=16, help="requests decoded together (cache rows)")
-    p.add_argument("--max_seq_length", type=int, default=4096, help="tokens per request: prompt + output")
+    p.add_argument("--max_seq_length", type=int, default=None,
+                   help="tokens per request: prompt + output (default: 4096, or the model's trained context if shorter)")
+    p.add_argument("--extend_context", action="store_true",
+                   help="allow a --max_seq_length past the model's trained context (max_position_embeddings, or what "
+                        "its RoPE scaling extends it to), with a warning: the output usually degrades there")
     p.add_argument("--max_waiting", type=int, default=64, help="requests queued for a slot; more get a 429")
     p.add_argument("--prefill_chunk", type=int, default=256,
                    help="prompt tokens prefilled per step, between decode steps")
@@ -893,10 +897,22 @@ def check_args(args):
     for name in ("max_batch_size", "max_waiting", "prefill_chunk"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1")
-    if args.max_seq_length < 2:
+    if args.max_seq_length is not None and args.max_seq_length < 2:
         raise UserError("--max_seq_length must be at least 2")
     if not 0 < args.port < 65536:
         raise UserError("--port must be in 1..65535")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise UserError("--shutdown_timeout must be a finite number of seconds >= 0")
+
+
+def check_context(args, config):
+    """--max_seq_length within the model's trained context, unless --extend_context (with a warning)."""
+    context = trained_context(config)
+    if args.max_seq_length > context:
+        where = f"--max_seq_length {args.max_seq_length} is past the model's trained context of {context} tokens"
+        if not args.extend_context:
+            raise UserError(f"{where}: lower it, or pass --extend_context to go past it anyway")
+        log(f"warning: {where}; the output usually degrades there")
 
 
 def warm_up(engine: BatchEngine):
@@ -934,8 +950,11 @@ def main(argv=None):
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     checkpoint.require_dir(args.checkpoint)
     config = checkpoint.read_config(args.checkpoint)
+    args.max_seq_length = args.max_seq_length or min(4096, trained_context(config))
     preflight(config, args, device, dtype, tp.world_size if tp is not None else 1)
+    check_context(args, config)  # after the memory check, whose error names both flags that lower it
     tokenizer = Tokenizer(args.checkpoint)
+    check_vocabulary(tokenizer, config, args.checkpoint)
     start = time.perf_counter()
     model = (tp.all_ranks_ok(load_model, args.checkpoint, device, dtype, tp=tp) if tp is not None
              else load_model(args.checkpoint, device, dtype))
