@@ -769,7 +769,9 @@ def test_ctrl_c_during_conversion_or_quantization_leaves_no_partial_checkpoint(s
     argvs = {"convert": ["convert_hf_checkpoint.py", "--gguf", tmp_path / "tiny.gguf", "--out", outs["convert"]],
              "quantize": ["quantize.py", "--checkpoint", seeds["ckpt"], "--mode", "int8", "--out", outs["quantize"],
                           "--force"]}
+    # a suite started as a background job inherits SIGINT ignored: give the script a terminal's Ctrl-C
     wrapper = ("import os, runpy, signal, sys\n"
+               "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
                "import safetensors.torch\n"
                "save_file = safetensors.torch.save_file\n"
                "def save_then_ctrl_c(*args, **kwargs):\n"
