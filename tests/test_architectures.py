@@ -23,7 +23,7 @@ from conftest import random_model
 from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
 from engine import BatchEngine, Engine, Request, Sampling, load_model
 from model import CAUSAL_SDPA_MIN_TOKENS, MoEFeedForward, Transformer
-from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, load_hf, load_ours,
+from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, hf_greedy, load_hf, load_ours,
                             max_diff, tokens)
 
 HEAD_DIM = 16  # BASE: hidden 64 over 4 heads
@@ -155,9 +155,7 @@ def test_greedy_tokens_match_hf(case):
     name, hf_dir, our_dir = case
     hf, ours = load_hf(hf_dir), load_ours(our_dir)
     prompt = tokens(PROMPT_LEN, seed=3)
-    expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=DECODE_STEPS,
-                           min_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, PROMPT_LEN:].tolist()
+    expected = hf_greedy(hf, prompt)
     got = greedy_as_hf_generate(ours, prompt, DECODE_STEPS)
     assert len(set(got)) > 3, "degenerate greedy output would make the comparison weak"
     first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)

@@ -702,9 +702,9 @@ def limit_file_size(max_bytes: int):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
 
 
-def test_full_disk_fails_in_one_line_and_keeps_the_old_output(seeds, tmp_path):
-    """convert_hf_checkpoint.py and quantize.py with a file-size limit below the weights' size: exit
-    status 1, one line saying why, no temporary directory, and an existing output left as it was."""
+def writes_over_previous_outputs(seeds, tmp_path) -> tuple:
+    """({name: output dir holding a previous output}, {name: the command line that rewrites it}) for a
+    conversion of a tiny GGUF and an int8 quantization."""
     write_gguf(tmp_path / "tiny.gguf", *gguf_spec("qwen2"))
     outs = {name: tmp_path / "out" / name for name in ("convert", "quantize")}
     for out in outs.values():
@@ -713,6 +713,13 @@ def test_full_disk_fails_in_one_line_and_keeps_the_old_output(seeds, tmp_path):
     commands = {"convert": ["convert_hf_checkpoint.py", "--gguf", tmp_path / "tiny.gguf", "--out", outs["convert"]],
                 "quantize": ["quantize.py", "--checkpoint", seeds["ckpt"], "--mode", "int8", "--out",
                              outs["quantize"], "--force"]}
+    return outs, commands
+
+
+def test_full_disk_fails_in_one_line_and_keeps_the_old_output(seeds, tmp_path):
+    """convert_hf_checkpoint.py and quantize.py with a file-size limit below the weights' size: exit
+    status 1, one line saying why, no temporary directory, and an existing output left as it was."""
+    outs, commands = writes_over_previous_outputs(seeds, tmp_path)
     procs = {name: subprocess.Popen([sys.executable, *map(str, cmd)], cwd=ROOT, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, preexec_fn=limit_file_size(4096))
              for name, cmd in commands.items()}
@@ -761,14 +768,7 @@ def test_ctrl_c_during_conversion_or_quantization_leaves_no_partial_checkpoint(s
     """The scripts themselves, with SIGINT arriving just after model.safetensors is written (the
     write is wrapped to send it, so the moment is exact): exit status 130, `interrupted`, no
     temporary directory, and the previous output untouched."""
-    write_gguf(tmp_path / "tiny.gguf", *gguf_spec("qwen2"))
-    outs = {name: tmp_path / "out" / name for name in ("convert", "quantize")}
-    for out in outs.values():
-        out.mkdir(parents=True)
-        (out / "config.json").write_text("the previous output")
-    argvs = {"convert": ["convert_hf_checkpoint.py", "--gguf", tmp_path / "tiny.gguf", "--out", outs["convert"]],
-             "quantize": ["quantize.py", "--checkpoint", seeds["ckpt"], "--mode", "int8", "--out", outs["quantize"],
-                          "--force"]}
+    outs, argvs = writes_over_previous_outputs(seeds, tmp_path)
     # a suite started as a background job inherits SIGINT ignored: give the script a terminal's Ctrl-C
     wrapper = ("import os, runpy, signal, sys\n"
                "signal.signal(signal.SIGINT, signal.default_int_handler)\n"

@@ -211,14 +211,19 @@ def greedy(model: Transformer, prompt: torch.Tensor, n: int) -> list[int]:
     return out
 
 
+def hf_greedy(hf, prompt: torch.Tensor) -> list[int]:
+    """transformers' greedy generate: DECODE_STEPS new tokens, no end-of-sequence stop."""
+    return hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=DECODE_STEPS,
+                       min_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, prompt.shape[1]:].tolist()
+
+
 @torch.inference_mode()
 def test_greedy_tokens_match_hf(case):
     name, hf_dir, our_dir = case
     hf, ours = load_hf(hf_dir), load_ours(our_dir)
     prompt = tokens(PROMPT_LEN, seed=3)
-    expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=DECODE_STEPS,
-                           min_new_tokens=DECODE_STEPS, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, PROMPT_LEN:].tolist()
+    expected = hf_greedy(hf, prompt)
     assert len(expected) == DECODE_STEPS
     got = greedy(ours, prompt, DECODE_STEPS)
     assert len(set(got)) > 3, "degenerate greedy output would make the comparison weak"

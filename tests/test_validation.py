@@ -251,14 +251,20 @@ def test_ctrl_c_during_generation_exits_130_without_a_traceback(tiny, mode):
             proc.stdin.flush()
         ready, _, _ = select.select([proc.stdout], [], [], 180)
         assert ready and os.read(proc.stdout.fileno(), 1), "no text before the timeout"
+    finally:
+        stderr = interrupt(proc)
+    assert proc.returncode == 130, (proc.returncode, stderr[-3000:])
+    assert "Traceback" not in stderr and stderr.rstrip().endswith("interrupted"), stderr[-3000:]
+
+
+def interrupt(proc) -> str:
+    """Ctrl-C to the process group of a running command (as a terminal sends it); its stderr."""
+    try:
         os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        return proc.communicate(timeout=60)[1].decode()
     finally:
         if proc.poll() is None:
             proc.kill()
-    stderr = stderr.decode()
-    assert proc.returncode == 130, (proc.returncode, stderr[-3000:])
-    assert "Traceback" not in stderr and stderr.rstrip().endswith("interrupted"), stderr[-3000:]
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see torch being imported")
@@ -276,12 +282,8 @@ def test_ctrl_c_while_torch_imports_exits_130_without_a_traceback(tiny, script):
             except OSError:
                 pass
             time.sleep(0.002)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    stderr = stderr.decode()
+        stderr = interrupt(proc)
     assert proc.returncode == 130 and "Traceback" not in stderr, (proc.returncode, stderr[-3000:])
 
 
