@@ -104,13 +104,7 @@ def check_vocabulary(tok, args, where) -> None:
     embedding: tokenizer files of another model fail here, not as an index error mid-generation.
     Special tokens past the embedding are allowed (Gemma 3's image token); a prompt that holds one
     is refused where it is encoded."""
-    if tok._hf is not None:  # tokenizer.json
-        special = {i for i, t in tok._hf.get_added_tokens_decoder().items() if t.special}
-        ids = set(tok._hf.get_vocab(with_added_tokens=True).values()) - special
-    else:  # SentencePiece: ids 0..pieces-1; control pieces are the special ones
-        ids = set(range(args.vocab_size, tok.vocab_size)) - tok._special_ids
-    ids.update(i for i in (tok.bos_id, *tok.eos_ids) if i is not None)
-    past = sorted(i for i in ids if i >= args.vocab_size)
+    past = sorted(i for i in tok.text_ids() if i >= args.vocab_size)
     if past:
         raise TokenizerError(f"{where}: the tokenizer has token ids up to {past[-1]} ({len(past)} of them past the "
                         f"model's vocabulary of {args.vocab_size}): tokenizer files of another model?")
@@ -585,7 +579,7 @@ class Engine(Generator):
                 if masked:  # a row that has ended, or has no grammar, allows every token
                     mask = token_masks([r.constraint if r.finish_reason is None else None for r in rows],
                                        self.model.args.vocab_size).to(device)
-                with guards_skipped(steps > 0):
+                with guards_skipped(steps > 0):  # clone: a CUDA graph's next replay overwrites its output
                     out = self.decode_one_token(self.model, torch.tensor(feed, device=device),
                                                 torch.tensor([pos], device=device), pad,
                                                 sampling if masked else None, mask).clone()

@@ -139,6 +139,15 @@ class Tokenizer:
     def _id_to_token(self, token_id: int) -> str:
         return self._hf.id_to_token(token_id) if self._hf else self._sp.id_to_piece(token_id)
 
+    def text_ids(self) -> set:
+        """Ids that encoding text can give (special tokens excluded), plus BOS and EOS."""
+        if self._hf is not None:
+            special = {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+            ids = set(self._hf.get_vocab(with_added_tokens=True).values()) - special
+        else:  # SentencePiece: control pieces are the special ones
+            ids = set(range(self.vocab_size)) - self._special_ids
+        return ids | {i for i in (self.bos_id, *self.eos_ids) if i is not None}
+
     # --- encode / decode ------------------------------------------------------------------------
 
     def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
