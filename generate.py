@@ -32,7 +32,7 @@ from errors import UserError, run_cli
 from grammar import Grammars
 from model import ModelArgs, param_bytes
 from tokenizer import StopStrings, Tokenizer
-from tp import init_from_env
+from tp import MODES as TP_MODES, init_from_env
 
 
 def print_metrics(metrics: dict):
@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max: on CPU, freeze the weights and let inductor generate its own GEMM kernels "
                         "(fastest decode, especially in bfloat16, but every run compiles for minutes); "
                         "on CUDA, max-autotune")
+    p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
+                   help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
+                        "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
+                        "fewer collectives, but a quantized model's text may drift from one process's; "
+                        "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16",
                    help="float32, bfloat16 or float16")
@@ -374,7 +379,7 @@ def build_engine(args, tp, device, dtype, draft_dtype) -> Generator:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     check_args(args)
-    tp, args.device = init_from_env(args.device)  # under torchrun: this rank's shard and device (tp.py)
+    tp, args.device = init_from_env(args.device, args.tp_mode)  # under torchrun: this rank's shard and device (tp.py)
     if tp is not None and args.interactive:
         raise UserError("--interactive is not supported with tensor parallelism (torchrun)")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)

@@ -197,8 +197,11 @@ inline void store_sums(const __m256* acc, const float* scale, float* y) {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     _mm_storeu_ps(y, scale ? _mm_mul_ps(s4, _mm_loadu_ps(scale)) : s4);
-  } else {
-    y[0] = hsum(acc[0]) * (scale ? scale[0] : 1.f);
+  } else {  // the same additions in the same order as above: a row's bits do not depend on its neighbours
+    __m256 h = _mm256_hadd_ps(acc[0], acc[0]);
+    h = _mm256_hadd_ps(h, h);
+    float s = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    y[0] = s * (scale ? scale[0] : 1.f);
   }
 }
 

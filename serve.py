@@ -47,7 +47,7 @@ from errors import UserError, run_cli
 from grammar import Grammars
 from model import param_bytes
 from tokenizer import StopStrings, Tokenizer
-from tp import init_from_env
+from tp import MODES as TP_MODES, init_from_env
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_N = 16
@@ -880,6 +880,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix_reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="a request takes the free slot whose cache shares the longest beginning with its prompt "
                         "and prefills only the rest (default: on)")
+    p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
+                   help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
+                        "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
+                        "fewer collectives, but a quantized model's text may drift from one process's; "
+                        "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -946,7 +951,7 @@ def warm_up(engine: BatchEngine):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     check_args(args)
-    tp, args.device = init_from_env(args.device)
+    tp, args.device = init_from_env(args.device, args.tp_mode)
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     checkpoint.require_dir(args.checkpoint)
     config = checkpoint.read_config(args.checkpoint)

@@ -1,5 +1,8 @@
-"""Tensor parallelism: every rank holds 1/N of each large weight and the ranks all-reduce twice
-per layer (Megatron-LM, Shoeybi et al. 2019, section 3), plus once for a vocabulary-split embedding.
+"""Tensor parallelism: every rank holds 1/N of each large weight. In "allreduce" mode the ranks
+all-reduce twice per layer (Megatron-LM, Shoeybi et al. 2019, section 3), plus once for a
+vocabulary-split embedding; in "exact" mode (the default for quantized checkpoints) they
+all-gather instead, four times per layer, so that every sum is added in one process's order
+(TensorParallel says why).
 
     torchrun --standalone --nproc_per_node=2 generate.py --checkpoint checkpoints/smollm2-135m --prompt "Hi"
 
@@ -35,6 +38,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -130,11 +134,32 @@ class Shard:
     features: int  # the layer's full number of output (column-wise) or input (row-wise) features
 
 
-class TensorParallel:
-    """This rank's place in the group and its shard of each layer named in PLAN."""
+MODES = ("auto", "exact", "allreduce")
 
-    def __init__(self, rank: int, world_size: int, group_name: Optional[str] = None, device="cpu"):
-        self.rank, self.world_size, self.device = rank, world_size, device
+
+class TensorParallel:
+    """This rank's place in the group and its shard of each layer named in PLAN.
+
+    mode "allreduce" is Megatron's: attention.wo and feed_forward.w2 split by input features,
+    their partial sums all-reduced (two collectives per layer). The ranks then add in another
+    order than one process does, and where activations are rounded to int8 (kernels.py's
+    quantized loops) a last-bit difference can move a value across a rounding step, so an int8
+    or int4 model's greedy text drifts from one process's after some tokens.
+    mode "exact" keeps every sum whole: wo and w2 are split by output features, after an
+    all-gather of their inputs (the heads' outputs, the hidden activations), and their outputs
+    are all-gathered; each output element is then computed by one rank as one process computes
+    it, so with kernels.py's loops (which give a row the same bits whatever the other rows) the
+    ranks produce one process's bits, at the cost of four all-gathers per layer instead of two
+    all-reduces. A float layer's BLAS may add in an order that depends on the matrix's shape,
+    so there exact mode buys no more than allreduce's last-bit agreement.
+    mode "auto" (the default): exact for a quantized checkpoint, allreduce otherwise.
+    A mixture's experts stay all-reduced in every mode."""
+
+    def __init__(self, rank: int, world_size: int, group_name: Optional[str] = None, device="cpu",
+                 mode: str = "auto"):
+        if mode not in MODES:
+            raise UserError(f"tensor-parallel mode {mode!r} is not one of {', '.join(MODES)}")
+        self.rank, self.world_size, self.device, self.mode = rank, world_size, device, mode
         # the group's name, not the group: nothing of ours may keep it (and its threads) alive past close()
         self.group_name = group_name if group_name is not None else dist.group.WORLD.group_name
         self.shards: dict[str, Shard] = {}  # module name -> Shard, filled by shard_modules
@@ -148,7 +173,8 @@ class TensorParallel:
 
     def shard_modules(self, model: nn.Module):
         """On the meta-device model: shrink each sharded layer's tensors to this rank's part, set
-        each attention's local head counts, and hook an all-reduce after every row-wise layer."""
+        each attention's local head counts, and hook in the collectives: an all-reduce after every
+        row-wise layer, or in exact mode all-gathers around wo and w2."""
         args = model.args
         head_dim, intermediate = args.head_dim, args.intermediate_size
         q0, nq, kv0, nkv = head_split(args.n_heads, args.n_kv_heads, self.world_size, self.rank)
@@ -159,7 +185,11 @@ class TensorParallel:
                       q_rows + 2 * kv_rows)
         # a row-wise split must fall on the boundaries of the input-feature groups its layer
         # stores together (quantize.py's int4 groups); w1 and w3 follow w2's split of the hidden dim
+        collectives = model.tp_collectives = []  # (kind, elements per batch row) of each one a step runs
+        mode = model.tp_mode = self.mode if self.mode != "auto" else "exact" if args.quantization else "allreduce"
         units = split_units(model)
+        if mode == "exact":  # wo and w2 keep their input features whole
+            units["rowwise"] = units["rowwise_heads"] = 1
         n_experts, expert_hidden = args.n_experts, args.moe_intermediate_size or intermediate
         for kind, features in (("rowwise", intermediate), ("rowwise_heads", q_rows), ("rowwise_experts", expert_hidden)):
             if features % units[kind]:
@@ -185,6 +215,19 @@ class TensorParallel:
             "rowwise_experts": Shard(True, [expert_part], expert_hidden),
             "heads": Shard(False, [(q0, q0 + nq)], args.n_heads),
         }
+        # exact mode: wo and w2 take the whole input, gathered from every rank's part, and split
+        # their output features; (rank -> features) of each gathered tensor, for the padding
+        gathered = {}
+        if mode == "exact":
+            out_part = [split_evenly(args.dim, self.world_size, r) for r in range(self.world_size)]
+            layer_shards["rowwise_heads"] = layer_shards["rowwise"] = \
+                Shard(False, [(out_part[self.rank][0], sum(out_part[self.rank]))], args.dim)
+            heads_in = [head_split(args.n_heads, args.n_kv_heads, self.world_size, r)[1] * head_dim
+                        for r in range(self.world_size)]
+            hidden_in = [split_evenly(intermediate // unit, self.world_size, r)[1] * unit
+                         for r in range(self.world_size)]
+            gathered = {"rowwise_heads": heads_in, "rowwise": hidden_in}
+            out_sizes = [n for _, n in out_part]
         vocab = args.vocab_size
         if vocab % self.world_size == 0:  # all-gather needs equal parts
             v0, nv = split_evenly(vocab, self.world_size, self.rank)
@@ -201,12 +244,20 @@ class TensorParallel:
                         local = torch.empty(self._local_shape(shard, t_name, t.shape), dtype=t.dtype, device="meta")
                         tensors[t_name] = nn.Parameter(local, requires_grad=False) if isinstance(t, nn.Parameter) else local
             if self.world_size > 1:  # one rank holds the whole sum already
-                if shard.rowwise:
+                if kind in gathered:
+                    module.register_forward_pre_hook(self._gather_hook(gathered[kind], inputs=True))
+                    module.register_forward_hook(self._gather_hook(out_sizes))
+                    collectives += [("all_gather", self.world_size * max(gathered[kind])),
+                                    ("all_gather", self.world_size * max(out_sizes))]
+                elif shard.rowwise:
                     module.register_forward_hook(self._all_reduce_hook)
+                    collectives.append(("all_reduce", args.dim))
                 elif kind == "vocab_head":
                     module.register_forward_hook(self._all_gather_hook)
+                    collectives.append(("all_gather", vocab))
                 elif kind == "vocab_embedding":
                     self._embed_own_tokens(module, *shard.ranges[0])
+                    collectives.append(("all_reduce", args.dim))
             # sizes that layers keep (nn.Linear, quantize.py's layers slice by in_features)
             for attr in ("out_features", "in_features", "num_embeddings"):
                 if hasattr(module, attr) and (attr == "in_features") == shard.rowwise:
@@ -217,6 +268,22 @@ class TensorParallel:
     def _all_reduce_hook(self, module, inputs, output):
         # the whole output, every batch row: each rank holds a partial sum over its input features
         return funcol.all_reduce(output, "sum", self.group_name)
+
+    def _gather_hook(self, sizes: list, inputs: bool = False):
+        """A hook that replaces a module's input (pre-hook) or output by the concatenation, in
+        rank order, of every rank's part, whose last-dimension sizes are `sizes`: each part is
+        padded to the largest, gathered, and the padding dropped."""
+        group_name, widest = self.group_name, max(sizes)
+
+        def gather(x):
+            x = all_gather_single(F.pad(x, (0, widest - x.shape[-1])), x.dim() - 1, group_name)
+            if min(sizes) == widest:
+                return x
+            return torch.cat([x[..., r * widest:r * widest + n] for r, n in enumerate(sizes)], dim=-1)
+
+        if inputs:
+            return lambda module, args: (gather(args[0]), *args[1:])
+        return lambda module, args, output: gather(output)
 
     def _all_gather_hook(self, module, inputs, output):
         # (..., vocab / N) logits of this rank's tokens -> (..., vocab), in rank order
@@ -327,27 +394,33 @@ class TensorParallel:
         return out
 
     def rank_metrics(self, metrics: dict, model: nn.Module) -> dict:
-        """Per-rank memory and weights, and what a decode step sends: two all-reduces per layer
-        of (batch, 1, dim) activations, one more for the embedding and an all-gather of the
-        logits when the vocabulary is split (a collective on every rank: call it on all of them)."""
+        """Per-rank memory and weights, and what a decode step sends: the collectives that
+        shard_modules hooked in, each of (batch, 1, width) activations (a collective on every
+        rank: call it on all of them)."""
         elem = model.norm.weight.element_size()  # activations are in the model dtype
-        vocab = int("tok_embeddings" in self.shards and self.world_size > 1)
-        n, batch = (2 * len(model.layers) + vocab if self.world_size > 1 else 0), model.max_batch_size
+        batch = model.max_batch_size
+
+        def count(kind):
+            widths = [w for k, w in model.tp_collectives if k == kind]
+            return len(widths), batch * sum(widths) * elem
+
+        (n_reduce, reduce_bytes), (n_gather, gather_bytes) = count("all_reduce"), count("all_gather")
         return {
             "tp_world_size": self.world_size,
+            "tp_mode": model.tp_mode,
             "peak_memory_bytes_per_rank": self.gather(metrics["peak_memory_bytes"]),
             "weight_bytes_per_rank": self.gather(sum(sharded_bytes(model))),
             # peak RSS also counts the checkpoint's memory-mapped pages that a rank touched
             # (reclaimable page cache); anonymous memory is what the rank itself holds
             "rss_anon_bytes_per_rank": self.gather(rss_anon_bytes()),
-            "all_reduces_per_step": n,
-            "all_reduce_bytes_per_step": n * batch * model.args.dim * elem,
-            "all_gathers_per_step": vocab,
-            "all_gather_bytes_per_step": vocab * batch * model.args.vocab_size * elem,  # the gathered logits
+            "all_reduces_per_step": n_reduce,
+            "all_reduce_bytes_per_step": reduce_bytes,
+            "all_gathers_per_step": n_gather,
+            "all_gather_bytes_per_step": gather_bytes,  # what each rank receives, padding included
         }
 
 
-def init_from_env(device: str = "cpu") -> tuple[Optional[TensorParallel], str]:
+def init_from_env(device: str = "cpu", mode: str = "auto") -> tuple[Optional[TensorParallel], str]:
     """(TensorParallel, device) when launched by torchrun, else (None, device).
 
     Reads torchrun's standard environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
@@ -374,7 +447,7 @@ def init_from_env(device: str = "cpu") -> tuple[Optional[TensorParallel], str]:
     faulthandler.enable(sys.__stderr__)
     if rank != 0:
         quiet()
-    return TensorParallel(rank, world, device=device), device
+    return TensorParallel(rank, world, device=device, mode=mode), device
 
 
 def close():

@@ -12,10 +12,10 @@ Each configuration is generate.py in its own job, greedy, batch 1, exactly --max
 tokens (EOS ignored), compiled decode step (--no-compile for eager), --num_samples samples of which
 the first is dropped; the median of the rest is reported. Rows:
   single      python generate.py, --threads threads per process
-  tp N        torchrun --standalone --nproc_per_node=N generate.py, OMP_NUM_THREADS=--threads
+  tp N MODE   torchrun --standalone --nproc_per_node=N generate.py --tp_mode MODE, OMP_NUM_THREADS=--threads
               per rank (ranks * threads should not exceed the cores: ranks that compete for
               the same cores cannot speed up; N = 1 is the same code path with whole shards and
-              one-rank all-reduces)
+              one-rank collectives)
 Memory per rank: the bytes of weights the rank holds, its anonymous resident memory after
 generation, and its peak resident memory (which also counts the pages of the memory-mapped
 checkpoint it touched while loading: page cache, reclaimable).
@@ -40,22 +40,23 @@ def run(cmd: list, threads: int, timeout: float) -> None:
         sys.exit(f"error: {' '.join(map(str, cmd))} failed:\n{result.stderr[-2000:]}")
 
 
-def measure(args, ranks: int) -> dict:
-    """ranks 0: one plain process; else torchrun with that many ranks."""
+def measure(args, ranks: int, mode: str = "auto") -> dict:
+    """ranks 0: one plain process; else torchrun with that many ranks, in tp.py's `mode`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "metrics.json"
         gen = ["generate.py", "--checkpoint", args.checkpoint, "--prompt", PROMPT, "--max_new_tokens",
                args.max_new_tokens, "--ignore_eos", "--num_samples", args.num_samples, "--dtype", args.dtype,
                "--metrics_json", out, "--compile" if args.compile else "--no-compile"]
         if ranks:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *gen]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *gen,
+                   "--tp_mode", mode]
         else:
             cmd = [sys.executable, *gen]
         run([str(c) for c in cmd], args.threads, args.timeout)
         samples = json.loads(out.read_text())[1:] or json.loads(out.read_text())
     last = samples[-1]
     row = {
-        "config": f"tp {ranks}" if ranks else "single",
+        "config": f"tp {ranks} {mode}" if ranks else "single",
         "decode_tokens_per_s": statistics.median(s["decode_tokens_per_s"] for s in samples),
         "inter_token_latency_median_ms": 1000 * statistics.median(s["inter_token_latency_median_s"] for s in samples),
         "peak_memory_bytes_per_rank": last.get("peak_memory_bytes_per_rank", [last["peak_memory_bytes"]]),
@@ -76,6 +77,7 @@ def main(argv=None):
     parser.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "smollm2-135m",
                         help="our checkpoint directory (default: checkpoints/smollm2-135m)")
     parser.add_argument("--ranks", default="1,2", help="torchrun world sizes to measure, comma-separated")
+    parser.add_argument("--tp_modes", default="exact,allreduce", help="tp.py modes to measure, comma-separated")
     parser.add_argument("--no-single", dest="single", action="store_false", help="skip the plain single-process row")
     parser.add_argument("--threads", type=int, default=1, help="threads per process (per rank)")
     parser.add_argument("--dtype", default="float32", help="generate.py --dtype (default: float32)")
@@ -85,11 +87,12 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
-    configs = ([0] if args.single else []) + [int(n) for n in args.ranks.split(",")]
+    configs = ([(0, "")] if args.single else []) + [(int(n), mode) for n in args.ranks.split(",")
+                                                   for mode in args.tp_modes.split(",")]
     rows = []
-    for ranks in configs:
-        print(f"measuring {'single process' if ranks == 0 else f'{ranks} ranks'}...", file=sys.stderr, flush=True)
-        rows.append(measure(args, ranks))
+    for ranks, mode in configs:
+        print(f"measuring {'single process' if ranks == 0 else f'{ranks} ranks, {mode}'}...", file=sys.stderr, flush=True)
+        rows.append(measure(args, ranks, mode))
     print("| config | decode tok/s | weights per rank (MB) | anon RSS per rank (MB) | peak RSS per rank (MB) "
           "| all-reduces / step (bytes) | all-gathers / step (bytes) |")
     print("|---|---|---|---|---|---|---|")

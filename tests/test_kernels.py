@@ -56,6 +56,25 @@ def test_small_linear_gives_a_token_the_same_bits_whatever_the_token_count():
         assert torch.equal(kernels.small_linear(x[:T], w), full[:T]), T
 
 
+def test_integer_loops_give_a_row_the_same_bits_whatever_the_other_rows():
+    # rows go four at a time and the rest one by one: both must add a row's lanes in one order,
+    # so that a tensor-parallel rank holding some of the rows computes them as one process does
+    if not kernels.available():
+        pytest.fail("the integer kernels could not be built here")
+    g = torch.Generator().manual_seed(2)
+    N, K = 23, 256
+    x = torch.randn(5, K, generator=g)
+    w8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    s8 = torch.rand(N, generator=g)
+    q4 = quantize.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
+    s4, z4 = torch.rand(N, 8, generator=g).half(), torch.randn(N, 8, generator=g).half()
+    full8, full4 = kernels.q8_linear(x, w8, s8), kernels.q4_linear(x, q4, s4, z4, 32)
+    for a, b in [(0, 1), (1, 6), (3, 22), (5, 9), (2, 23)]:
+        assert torch.equal(kernels.q8_linear(x, w8[a:b].contiguous(), s8[a:b].contiguous()), full8[:, a:b]), (a, b)
+        assert torch.equal(kernels.q4_linear(x, q4[a:b].contiguous(), s4[a:b].contiguous(), z4[a:b].contiguous(), 32),
+                           full4[:, a:b]), (a, b)
+
+
 def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
     torch.manual_seed(0)
     lin = kernels.CpuLinear(64, 48, bias=True)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import kernels
-from conftest import ROOT, device_flags, needs_devices, random_model, save_checkpoint
+from conftest import ROOT, device_flags, needs_devices, random_model, run_script, save_checkpoint
 from engine import load_model
 from test_gemma import tiny_gemma3
 from tp import PLAN, TensorParallel, TPError, head_split, sharded_bytes
@@ -83,12 +83,17 @@ def tp2(tmp_path_factory):
     # int4 groups of 32: the uneven model's 2 + 1 query groups and 3 hidden groups split at group boundaries
     ckpts.update({f"{name}-int4": quantized(ckpts[name], "int4", "--groupsize", "32")
                   for name in ("llama", "uneven")})
-    cases = [dict(name=f"{name}-b{len(prompts)}", checkpoint=str(ckpt), prompts=prompts, steps=STEPS,
-                  float_activations="-int" in name)  # see tp_worker.py
+    # the default mode: allreduce for float, exact for quantized (through kernels.py's loops)
+    cases = [dict(name=f"{name}-b{len(prompts)}", checkpoint=str(ckpt), prompts=prompts, steps=STEPS)
              for name, ckpt in ckpts.items() for prompts in (PROMPTS_B1, PROMPTS_B2)]
-    # and once through kernels.py's int8-activation loops: tokens equal, logits close
-    cases.append(dict(name="llama-int4-kernels", checkpoint=str(ckpts["llama-int4"]), prompts=PROMPTS_B2,
-                      steps=STEPS))
+    # the other mode: float in exact mode; quantized in allreduce mode with float activations
+    # (see tp_worker.py), and once through the int8-activation loops, whose tokens may part
+    cases += [dict(name=f"{name}-exact", checkpoint=str(ckpts[name]), prompts=PROMPTS_B2, steps=STEPS,
+                   tp_mode="exact") for name in ("llama", "gemma", "uneven")]
+    cases += [dict(name=f"{name}-allreduce", checkpoint=str(ckpts[name]), prompts=PROMPTS_B2, steps=STEPS,
+                   tp_mode="allreduce", float_activations=True) for name in ("llama-int8", "uneven-int4")]
+    cases.append(dict(name="llama-int4-kernels-allreduce", checkpoint=str(ckpts["llama-int4"]), prompts=PROMPTS_B2,
+                      steps=STEPS, tp_mode="allreduce"))
     cases.append(dict(name="llama-compiled", checkpoint=str(ckpts["llama"]), prompts=PROMPTS_B1, steps=STEPS,
                       compile=True))
     # the target and its draft both sharded
@@ -100,10 +105,12 @@ def tp2(tmp_path_factory):
     return {c["name"]: c for c in cases}, run_worker(2, cases, tmp)
 
 
-def assert_matches_single_process(case: dict, result: dict, atol: float = 1e-4):
+def assert_matches_single_process(case: dict, result: dict, atol: float = 0.0, tokens: bool = True):
+    """Greedy tokens equal and logits within atol (0: the same bits) of one process's."""
     with kernels.switched_off() if case.get("float_activations") else contextlib.nullcontext():
         ref = run_case(load_model(case["checkpoint"]), case["prompts"], case["steps"])
-    assert torch.equal(result["tokens"], ref["tokens"]), f"{case['name']}: greedy tokens differ"
+    if tokens:
+        assert torch.equal(result["tokens"], ref["tokens"]), f"{case['name']}: greedy tokens differ"
     assert len(result["logits"]) == len(ref["logits"])
     for step, (a, b) in enumerate(zip(result["logits"], ref["logits"])):
         assert b.std() > 0.5  # not a degenerate model
@@ -114,28 +121,45 @@ def assert_matches_single_process(case: dict, result: dict, atol: float = 1e-4):
 @pytest.mark.parametrize("name", ["llama", "gemma", "uneven"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_tp2_matches_single_process(tp2, name, batch):
+    """Float: BLAS's order of additions may depend on a matrix's shape, so logits agree to 1e-4."""
     cases, results = tp2
     key = f"{name}-b{batch}"
-    assert_matches_single_process(cases[key], results[key])
+    assert_matches_single_process(cases[key], results[key], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "uneven"])
+def test_tp2_float_in_exact_mode_matches_single_process(tp2, name):
+    cases, results = tp2
+    assert_matches_single_process(cases[f"{name}-exact"], results[f"{name}-exact"], atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["llama-int8", "gemma-int8", "llama-int4", "uneven-int4"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_tp2_quantized_matches_single_process(tp2, name, batch):
+def test_tp2_quantized_gives_single_process_bits(tp2, name, batch):
+    """Through kernels.py's loops, which round activations to int8: exact mode adds every sum
+    in one process's order, so not even a rounding step differs."""
     cases, results = tp2
     key = f"{name}-b{batch}"
     assert_matches_single_process(cases[key], results[key])
 
 
-def test_tp2_quantized_with_int8_activations_is_close_to_single_process(tp2):
-    """kernels.py rounds activations to int8: a partial sum that the all-reduce adds in another
-    order can round one element a step differently."""
+@pytest.mark.parametrize("name", ["llama-int8", "uneven-int4"])
+def test_tp2_allreduce_mode_matches_single_process(tp2, name):
     cases, results = tp2
-    assert_matches_single_process(cases["llama-int4-kernels"], results["llama-int4-kernels"], atol=0.1)
+    assert_matches_single_process(cases[f"{name}-allreduce"], results[f"{name}-allreduce"], atol=1e-4)
+
+
+def test_tp2_allreduce_mode_with_int8_activations_is_only_close(tp2):
+    """kernels.py rounds activations to int8: a partial sum that the all-reduce adds in another
+    order can round an element a step differently, and the greedy tokens may part from there
+    (why exact is the default for quantized checkpoints)."""
+    cases, results = tp2
+    name = "llama-int4-kernels-allreduce"
+    assert_matches_single_process(cases[name], results[name], atol=0.1, tokens=False)
 
 
 def test_tp2_compiled_decode_matches_single_process(tp2):
-    """engine.Engine's compiled decode step traces the all-reduce (fullgraph: no graph break)."""
+    """engine.Engine's compiled decode step traces the collectives (fullgraph: no graph break)."""
     cases, results = tp2
     case = cases["llama-compiled"]
     ref = run_case(load_model(case["checkpoint"]), case["prompts"], case["steps"])
@@ -176,36 +200,75 @@ def test_tp2_heads_and_bytes_per_rank(tp2):
     assert results["llama-int8-b1"]["bytes"][0][0] < 0.3 * results["llama-b1"]["bytes"][0][0]
 
 
-def test_tp3_smollm2_matches_single_process(smollm2_dir, tmp_path):
+def test_tp3_smollm2_gives_single_process_bits(smollm2_dir, smollm2_quantized, tmp_path):
     """SmolLM2-135M (9 query heads, 3 KV heads) on 3 ranks: one KV head each, 1/3 of every
-    sharded weight per rank, same tokens and logits as one process, batch of 2 prompts."""
+    sharded weight per rank, the same tokens and logits as one process (bit for bit for int8 and
+    int4), for a batch of 2 prompts."""
     from tokenizer import Tokenizer
     tok = Tokenizer(smollm2_dir)
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n   ")]
-    case = dict(name="smollm2", checkpoint=str(smollm2_dir), prompts=prompts, steps=3)
-    result = run_worker(3, [case], tmp_path)["smollm2"]
-    assert_matches_single_process(case, result)
+    cases = [dict(name=name, checkpoint=str(ckpt), prompts=prompts, steps=3)
+             for name, ckpt in [("smollm2", smollm2_dir), *smollm2_quantized.items()]]
+    results = run_worker(3, cases, tmp_path)
+    for case in cases:  # float: allreduce mode, to 1e-4; quantized: exact mode, the same bits
+        assert_matches_single_process(case, results[case["name"]], atol=0 if "-int" in case["name"] else 1e-4)
+    result = results["smollm2"]
     sharded, replicated = sharded_bytes(load_model(smollm2_dir))
     assert result["bytes"] == [(sharded // 3, replicated)] * 3
     assert result["n_heads"] == [[(3, 1)] * 30] * 3
 
 
+@pytest.fixture(scope="module")
+def smollm2_quantized(smollm2_dir, tmp_path_factory) -> dict:
+    """SmolLM2-135M in int8 and int4 (groups of 32), as quantize.py writes them."""
+    import quantize
+    tmp = tmp_path_factory.mktemp("smollm2-quantized")
+    for mode in ("int8", "int4"):
+        quantize.main(["--checkpoint", str(smollm2_dir), "--mode", mode, "--out", str(tmp / mode)])
+    return {f"smollm2-{mode}": tmp / mode for mode in ("int8", "int4")}
+
+
+@pytest.mark.parametrize("ranks,mode", [(2, "int8"), (3, "int4")])
+def test_cli_tp_quantized_text_is_single_process_text(smollm2_quantized, ranks, mode):
+    """torchrun + generate.py with an int8 or int4 SmolLM2 (its activations rounded to int8 by
+    kernels.py's loops) prints one process's greedy text: tp.py's exact mode. 96 tokens: in
+    allreduce mode the int8 text parted from one process's at the 14th."""
+    ckpt = smollm2_quantized[f"smollm2-{mode}"]
+    flags = ["--checkpoint", ckpt, "--prompt", "The history of the Roman Empire", "--no-compile",
+             "--max_new_tokens", 96]
+    single = run_script("generate.py", *flags)
+    assert single.returncode == 0, single.stderr[-3000:]
+    r = torchrun(ranks, "generate.py", *flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == single.stdout and len(single.stdout) > 200
+
+
 @pytest.mark.parametrize("speculate", [[], ["--ngram", "2", "--speculate_k", "3"]], ids=["plain", "ngram"])
 def test_cli_tp2_prints_once_and_matches_single_process(smollm2_dir, tmp_path, speculate):
     """torchrun + generate.py on 2 ranks (SmolLM2's 9 heads split 6 + 3): the golden greedy text,
-    printed once, and rank 0's metrics with every rank's memory; also with speculative decoding."""
+    printed once, and rank 0's metrics with every rank's memory; also in exact mode with
+    speculative decoding."""
     golden = json.loads(GOLDEN.read_text())[0]
     metrics = tmp_path / "m.json"
+    exact = ["--tp_mode", "exact"] if speculate else []
     r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, "--prompt", golden["prompt"], "--no-compile",
-                 "--max_new_tokens", golden["max_new_tokens"], "--metrics_json", metrics, *speculate)
+                 "--max_new_tokens", golden["max_new_tokens"], "--metrics_json", metrics, *speculate, *exact)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout == golden["output_text"] + "\n"
     assert r.stderr.count("decode ") == 1  # only rank 0 logs
     (m,) = json.loads(metrics.read_text())
     assert m["tp_world_size"] == 2 and len(m["peak_memory_bytes_per_rank"]) == 2
-    # 2 per layer, 1 for the vocabulary-split embedding; the logits gathered once
-    assert m["all_reduces_per_step"] == 61 and m["all_reduce_bytes_per_step"] == 61 * 576 * 4
-    assert m["all_gathers_per_step"] == 1 and m["all_gather_bytes_per_step"] == 49152 * 4
+    if not exact:  # 2 per layer, 1 for the vocabulary-split embedding; the logits gathered once
+        assert m["tp_mode"] == "allreduce"
+        assert m["all_reduces_per_step"] == 61 and m["all_reduce_bytes_per_step"] == 61 * 576 * 4
+        assert m["all_gathers_per_step"] == 1 and m["all_gather_bytes_per_step"] == 49152 * 4
+    else:  # per layer, the heads' outputs (6 + 3 heads of 64, each part padded to 384) gathered for
+        # wo, wo's 288 + 288 output features, the 768 + 768 hidden features for w2 and its output;
+        # the logits; one all-reduce, for the vocabulary-split embedding
+        assert m["tp_mode"] == "exact"
+        assert m["all_reduces_per_step"] == 1 and m["all_reduce_bytes_per_step"] == 576 * 4
+        assert m["all_gathers_per_step"] == 4 * 30 + 1
+        assert m["all_gather_bytes_per_step"] == (30 * (768 + 576 + 1536 + 576) + 49152) * 4
 
 
 def test_cli_tp2_bad_checkpoint_ends_the_job_with_one_message(smollm2_dir, tmp_path):
@@ -292,7 +355,7 @@ def test_int4_rowwise_split_falls_on_group_boundaries(tmp_path, world):
     full = write_int4_layer(tmp_path / "w.safetensors", 32, 192, 32)
     parts = {name: [] for name in full}
     for rank in range(world):
-        tp = TensorParallel(rank, world, group_name="unused")  # no process group needed to read
+        tp = TensorParallel(rank, world, group_name="unused", mode="allreduce")  # no process group needed to read
         model = int4_meta_model(192, 32)
         tp.shard_modules(model)
         local = model.state_dict()
@@ -307,9 +370,14 @@ def test_int4_rowwise_split_falls_on_group_boundaries(tmp_path, world):
     assert [p.shape[1] for p in parts["layers.0.feed_forward.w2.weight"]] == [96 // world] * world
 
 
-def test_int4_padded_input_features_are_refused():
+def test_int4_padded_input_features_are_refused_by_allreduce_mode_only():
     with pytest.raises(TPError, match="feed_forward.w2: its 80 input features are padded to groups of 32"):
-        TensorParallel(0, 2, group_name="unused").shard_modules(int4_meta_model(80, 32))
+        TensorParallel(0, 2, group_name="unused", mode="allreduce").shard_modules(int4_meta_model(80, 32))
+    # exact mode (a quantized model's default) keeps w2's input features whole and splits its rows
+    model = int4_meta_model(80, 32)
+    TensorParallel(1, 2, group_name="unused").shard_modules(model)
+    w2 = model.layers[0].feed_forward.w2
+    assert w2.weight.shape == (16, 48) and w2.scales.shape == (16, 3)  # rows 16..31 of (32, 96 / 2)
 
 
 def test_plan_names_existing_modules():
@@ -329,7 +397,7 @@ def test_rowwise_bias_is_added_once(tmp_path):
     bias, scales = torch.randn(64), torch.rand(64)
     save_file({"layers.0.attention.wo.bias": bias, "layers.0.feed_forward.w2.scales": scales}, tmp_path / "b.safetensors")
     for rank in range(2):
-        tp = TensorParallel(rank, 2, group_name="unused")
+        tp = TensorParallel(rank, 2, group_name="unused", mode="allreduce")
         with torch.device("meta"):
             tp.shard_modules(random_model().to("meta"))
         with safe_open(tmp_path / "b.safetensors", framework="pt") as f:

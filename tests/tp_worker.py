@@ -5,8 +5,8 @@ step), and rank 0 writes the logits, tokens and per-rank bytes of every case to 
 
     torchrun --standalone --nproc_per_node=2 -m tests.tp_worker --cases cases.json --out result.pt
 
-cases.json: [{"name", "checkpoint", "prompts": [[ids], ...], "steps", "compile",
-               "speculate_k", "draft" (a checkpoint) or "ngram"}, ...]
+cases.json: [{"name", "checkpoint", "prompts": [[ids], ...], "steps", "compile", "tp_mode",
+               "float_activations", "speculate_k", "draft" (a checkpoint) or "ngram"}, ...]
 """
 import argparse
 import contextlib
@@ -83,6 +83,7 @@ def main():
         # rounding of the activations would turn the all-reduce's other summation order into
         # jumps of a rounding step, where the sharding is to be checked to 1e-4
         off = kernels.switched_off if case.get("float_activations") else contextlib.nullcontext
+        tp.mode = case.get("tp_mode", "auto")
         with off():
             model = tp.all_ranks_ok(load, case["checkpoint"])
         if tp.rank == args.crash_rank:
