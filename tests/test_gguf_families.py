@@ -102,7 +102,8 @@ def write_gguf(path, arch: str, hf_dir, tensors: dict = None, **extra):
     if arch == "qwen3moe":
         keys["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
     if arch == "gpt-oss":
-        keys.update({"attention.sliding_window": cfg["sliding_window"], "expert_feed_forward_length": cfg["intermediate_size"],
+        keys.update({"attention.sliding_window": cfg["sliding_window"],
+                     "expert_feed_forward_length": cfg["intermediate_size"],
                      "rope.scaling.type": "yarn", "rope.scaling.factor": rope["factor"],
                      "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
                      "rope.scaling.yarn_beta_fast": rope["beta_fast"], "rope.scaling.yarn_beta_slow": rope["beta_slow"]})
@@ -310,3 +311,15 @@ def test_unsupported_gguf_architecture_on_the_command_line(tmp_path):
     assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert "GGUF architecture 'deepseek2' is not supported" in r.stderr and "qwen3moe" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_llama3_pre_tokenizer_splits_digits_in_threes():
+    """SmolLM3's GGUF (Llama 3's tokenizer) names llama-bpe or smaug-bpe: the Llama 3 regex, which
+    splits digit runs into threes and keeps newlines with the punctuation before them (gpt-2's
+    regex keeps digit runs whole, SmolLM2's splits them one by one)."""
+    from tokenizer import _byte_level_pre_tokenizer
+    for pre in ("llama-bpe", "smaug-bpe", "dbrx"):
+        normalizer, pre_tokenizer = _byte_level_pre_tokenizer(pre)
+        pieces = [piece for piece, _ in pre_tokenizer.pre_tokenize_str("It's 1234567 cats!\n\n  ok")]
+        assert normalizer is None
+        assert pieces == ["It", "'s", "Ġ", "123", "456", "7", "Ġcats", "!ĊĊ", "Ġ", "Ġok"], pieces
