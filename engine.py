@@ -86,11 +86,9 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_
     args = checkpoint.read_config(checkpoint_dir)
     model = meta_model(args, tp)
     device = torch.device(device)
-    weights = Need("the weights", weight_bytes(model, dtype), "pass a smaller --dtype or a quantized checkpoint "
-                   "(quantize.py)", f" of {checkpoint_dir} in {dtype_name(dtype)}")
     # CPU ranks on one machine load at once from the same free memory: each may plan its part only
-    check_memory([weights, *(needs(model) if needs else [])], device,
-                 ranks=tp.ranks_on_this_machine() if tp is not None and device.type == "cpu" else 1)
+    preflight(model, checkpoint_dir, device, dtype, needs,
+              ranks=tp.ranks_on_this_machine() if tp is not None and device.type == "cpu" else 1)
     keep_dtype = quantize.float_tensor_names(model)  # a quantized layer's scales and zeros
     state = checkpoint.read_weights(checkpoint_dir, checkpoint.expected_shapes(model), device, dtype,
                                     keep_dtype=keep_dtype.__contains__, read=tp.read if tp is not None else None)
@@ -136,11 +134,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def meminfo_available(path: str = MEMINFO) -> Optional[int]:
+def meminfo_available() -> Optional[int]:
     """The kernel's estimate of the memory that can be allocated without swapping (MemAvailable,
     Linux); None where there is no such file."""
     try:
-        with open(path) as f:
+        with open(MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024  # kB
@@ -183,13 +181,32 @@ def check_memory(needs: list, device, ranks: int = 1) -> None:
     if total <= have * MEMORY_MARGIN:
         return
     largest, *rest = sorted((n for n in needs if n.nbytes), key=lambda n: -n.nbytes)
-    others = [n.name for n in rest]
-    also = f" ({human_bytes(total)} with {', '.join(others[:-1])}{' and ' * (len(others) > 1)}{others[-1]})" \
-        if rest else ""
-    share = f" to each of the {ranks} ranks on this machine" if ranks > 1 else ""
-    raise OutOfMemory(f"{largest.name}{largest.detail} needs {human_bytes(largest.nbytes)}{also}, but {human_bytes(have)} is "
-                      f"available on {device.type}{share} "
-                      f"(a run plans {MEMORY_MARGIN:.0%} of it): {largest.fix}")
+    names = [n.name for n in rest]
+    others = f" ({human_bytes(total)} with {', '.join(names[:-1])}{' and ' * (len(names) > 1)}{names[-1]})" \
+        if names else ""
+    where = device.type + (f" for each of the {ranks} ranks on this machine" if ranks > 1 else "")
+    raise OutOfMemory(f"{largest.name}{largest.detail} would need {human_bytes(largest.nbytes)}{others}, but "
+                      f"{human_bytes(have)} is available on {where} (a run plans {MEMORY_MARGIN:.0%} of it): "
+                      f"{largest.fix}")
+
+
+def preflight(model: Transformer, checkpoint_dir, device, dtype: torch.dtype,
+              needs: Optional[Callable[[Transformer], list]] = None, ranks: int = 1) -> None:
+    """check_memory for the weights of `model` (as meta_model builds it) in `dtype` and what
+    needs(model) lists."""
+    weights = Need("the weights", weight_bytes(model, dtype), "pass a smaller --dtype or a quantized checkpoint "
+                   "(quantize.py)", f" of {checkpoint_dir} in {dtype_name(dtype)}")
+    check_memory([weights, *(needs(model) if needs else [])], device, ranks)
+
+
+def check_cache(model: Transformer, batch_size: int, max_seq_length: int, name: str = "the KV cache") -> None:
+    """check_memory for the KV cache model.setup_caches(batch_size, max_seq_length) is about to
+    allocate (the one it replaces is freed first), where a library caller sizes it."""
+    dtype = model.norm.weight.dtype
+    old = kv_cache_bytes(model, model.max_batch_size, model.max_seq_length, dtype) if model.max_seq_length > 0 else 0
+    check_memory([Need(name, kv_cache_bytes(model, batch_size, max_seq_length, dtype) - old,
+                       "lower the batch size or the sequence length",
+                       f" for {batch_size} x {max_seq_length} tokens")], model.norm.weight.device)
 
 
 def weight_bytes(model: Transformer, dtype: torch.dtype) -> int:
@@ -594,6 +611,7 @@ class Engine(Generator):
     def setup(self, batch_size: int, max_seq_length: int):
         model = self.model
         if model.max_batch_size != batch_size or model.max_seq_length != max_seq_length:
+            check_cache(model, batch_size, max_seq_length)
             model.setup_caches(batch_size, max_seq_length)
 
     def warm_up(self, prompts: list, sampling: Sampling, steps: int = 3, host: bool = False,
@@ -946,6 +964,7 @@ class BatchEngine:
         self.model, self.device = model, model.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.prefill_chunk, self.max_waiting, self.prefix_reuse = prefill_chunk, max_waiting, prefix_reuse
+        check_cache(model, max_batch_size + 1, max_seq_length)
         model.setup_caches(max_batch_size + 1, max_seq_length)  # the last row: padding rows write there
         self.scratch_row = max_batch_size
         self.slots = [Slot() for _ in range(max_batch_size)]
