@@ -33,6 +33,7 @@ import quantize
 from errors import TokenizerError, UserError
 from grammar import allow_tokens, token_masks, unpack_mask
 from model import Transformer, param_bytes
+from tp import ranks_on_this_machine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,7 +89,7 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_
     device = torch.device(device)
     # CPU ranks on one machine load at once from the same free memory: each may plan its part only
     preflight(model, checkpoint_dir, device, dtype, needs,
-              ranks=tp.ranks_on_this_machine() if tp is not None and device.type == "cpu" else 1)
+              ranks=ranks_on_this_machine() if tp is not None and device.type == "cpu" else 1)
     keep_dtype = quantize.float_tensor_names(model)  # a quantized layer's scales and zeros
     state = checkpoint.read_weights(checkpoint_dir, checkpoint.expected_shapes(model), device, dtype,
                                     keep_dtype=keep_dtype.__contains__, read=tp.read if tp is not None else None)

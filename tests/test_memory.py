@@ -1,6 +1,9 @@
 """Memory preflight: a run whose buffers do not fit is refused, before anything large is
 allocated, with one line naming the buffer, both figures and the flag that lowers it."""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ import torch
 import checkpoint
 import engine
 import quantize
-from conftest import TEST_DEVICE, random_model, run_script, save_checkpoint
+from conftest import ROOT, TEST_DEVICE, random_model, run_script, save_checkpoint
 from engine import Need, OutOfMemory, check_memory, kv_cache_bytes, meta_model, weight_bytes
 from tp import TensorParallel, sharded_bytes
 
@@ -61,6 +64,20 @@ def test_generate_counts_the_draft(smollm2_dir, monkeypatch):
     r = run_script("generate.py", "--checkpoint", target, "--no-compile", "--draft_checkpoint", smollm2_dir,
                    "--max_new_tokens", 8, timeout=60)
     assert refused(r, "--draft_dtype").startswith("error: the draft's weights in float32 would need 538 MB")
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU ranks share one machine's memory; a GPU rank has its own")
+def test_each_tensor_parallel_rank_checks_its_shard(smollm2_dir):
+    # SmolLM2's 3 KV heads split 2 + 1; a 6 GB cap is 3 GB for each rank, where rank 0's cache does not fit
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "generate.py",
+           "--checkpoint", str(smollm2_dir), "--no-compile", "--batch_size", "300", "--device", "cpu"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="60", MINILLM_AVAILABLE_MEMORY=str(6 * 10**9))
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith("error: rank 0: the KV cache for 300 sequences of 256 tokens would need 2.36 GB") \
+        and "but 3 GB is available on cpu for each of the 2 ranks on this machine" in errors[0] \
+        and errors[0].endswith(": lower --batch_size or --max_new_tokens"), errors[0]
 
 
 # ---------------------------------------------------------------- quantize.py, under a cap on the free memory
