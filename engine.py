@@ -14,6 +14,8 @@ import collections
 import contextlib
 import functools
 import inspect
+import math
+import os
 import resource
 import statistics
 import sys
@@ -31,6 +33,7 @@ import quantize
 from errors import TokenizerError, UserError
 from grammar import allow_tokens, token_masks, unpack_mask
 from model import Transformer, param_bytes
+from tp import ranks_on_this_machine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,19 +63,33 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
-def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_kernels: bool = True) -> Transformer:
-    """checkpoint dir -> ModelArgs + weights -> Transformer on `device` in `dtype` (eval mode).
-    A quantized checkpoint (config.json names its scheme) gets quantize.py's layers; with `tp`
-    (tp.py) this process builds and reads only its shard of each weight; on CPU, kernels.py's
-    fast paths are installed unless fast_kernels is False (the reference model alone)."""
-    keep_freed_memory()
-    args = checkpoint.read_config(checkpoint_dir)
+def meta_model(args, tp=None) -> Transformer:
+    """The model load_model builds before reading any weight: on the meta device, with a quantized
+    checkpoint's layers and, with `tp`, only this rank's shard of each weight."""
     with torch.device("meta"):  # no random init: every weight comes from the file
         model = Transformer(args)
     if args.quantization:
         quantize.use_quantized_layers(model, args.quantization)
     if tp is not None:
         tp.shard_modules(model)  # shrink the sharded layers to this rank's part
+    return model
+
+
+def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_kernels: bool = True,
+               needs: Optional[Callable[[Transformer], list]] = None) -> Transformer:
+    """checkpoint dir -> ModelArgs + weights -> Transformer on `device` in `dtype` (eval mode).
+    A quantized checkpoint (config.json names its scheme) gets quantize.py's layers; with `tp`
+    (tp.py) this process builds and reads only its shard of each weight; on CPU, kernels.py's
+    fast paths are installed unless fast_kernels is False (the reference model alone).
+    Before any weight is read, the weights and what needs(meta model) lists (the run's other
+    buffers, as `Need`s) are checked against the free memory (check_memory)."""
+    keep_freed_memory()
+    args = checkpoint.read_config(checkpoint_dir)
+    model = meta_model(args, tp)
+    device = torch.device(device)
+    # CPU ranks on one machine load at once from the same free memory: each may plan its part only
+    preflight(model, checkpoint_dir, device, dtype, needs,
+              ranks=ranks_on_this_machine() if tp is not None and device.type == "cpu" else 1)
     keep_dtype = quantize.float_tensor_names(model)  # a quantized layer's scales and zeros
     state = checkpoint.read_weights(checkpoint_dir, checkpoint.expected_shapes(model), device, dtype,
                                     keep_dtype=keep_dtype.__contains__, read=tp.read if tp is not None else None)
@@ -84,6 +101,146 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_
     if fast_kernels:
         kernels.install(model)
     return model.eval()
+
+
+# ---------------------------------------------------------------- memory preflight
+
+# a run plans at most this share of the free memory: activations, compiled code and the
+# allocator's slack take the rest
+MEMORY_MARGIN = 0.9
+MEMINFO = "/proc/meminfo"
+
+
+class OutOfMemory(UserError):
+    """Buffers that would not fit in the memory there is, refused before any is allocated."""
+
+
+@dataclass(frozen=True)
+class Need:
+    """A buffer a run will allocate, its bytes, and how to shrink it (for the message)."""
+    name: str  # "the KV cache"
+    nbytes: int
+    fix: str  # "lower --batch_size or --max_new_tokens"
+    detail: str = ""  # " for 4 sequences of 512 tokens"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if n < 999.5 or unit == "PB":
+            return f"{n:.3g} {unit}"
+        n /= 1000
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def meminfo_available() -> Optional[int]:
+    """The kernel's estimate of the memory that can be allocated without swapping (MemAvailable,
+    Linux); None where there is no such file."""
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def available_memory(device) -> Optional[int]:
+    """Bytes that can still be allocated on `device`: on CPU the kernel's MemAvailable, on CUDA
+    the device's free memory; None where unknown (then nothing is refused). MINILLM_AVAILABLE_MEMORY
+    (bytes) caps it: room kept for other work, and the tests' small machine."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    elif device.type == "cpu":
+        free = meminfo_available()
+    else:
+        free = None
+    cap = os.environ.get("MINILLM_AVAILABLE_MEMORY")
+    if cap:
+        try:
+            cap = int(float(cap))
+        except ValueError:
+            raise UserError(f"MINILLM_AVAILABLE_MEMORY={cap!r} is not a number of bytes") from None
+        free = cap if free is None else min(free, cap)
+    return free
+
+
+def check_memory(needs: list, device, ranks: int = 1) -> None:
+    """OutOfMemory, naming the largest need, both figures and its fix, unless all of `needs` fit in
+    MEMORY_MARGIN of the memory available on `device` (a 1/ranks part of it: processes that
+    allocate from it at once)."""
+    device = torch.device(device)
+    have = available_memory(device)
+    if have is None:
+        return
+    have //= ranks
+    total = sum(n.nbytes for n in needs)
+    if total <= have * MEMORY_MARGIN:
+        return
+    largest, *rest = sorted((n for n in needs if n.nbytes), key=lambda n: -n.nbytes)
+    names = [n.name for n in rest]
+    others = f" ({human_bytes(total)} with {', '.join(names[:-1])}{' and ' * (len(names) > 1)}{names[-1]})" \
+        if names else ""
+    where = device.type + (f" for each of the {ranks} ranks on this machine" if ranks > 1 else "")
+    raise OutOfMemory(f"{largest.name}{largest.detail} would need {human_bytes(largest.nbytes)}{others}, but "
+                      f"{human_bytes(have)} is available on {where} (a run plans {MEMORY_MARGIN:.0%} of it): "
+                      f"{largest.fix}")
+
+
+def preflight(model: Transformer, checkpoint_dir, device, dtype: torch.dtype,
+              needs: Optional[Callable[[Transformer], list]] = None, ranks: int = 1) -> None:
+    """check_memory for the weights of `model` (as meta_model builds it) in `dtype` and what
+    needs(model) lists."""
+    weights = Need("the weights", weight_bytes(model, dtype), "pass a smaller --dtype or a quantized checkpoint "
+                   "(quantize.py)", f" of {checkpoint_dir} in {dtype_name(dtype)}")
+    check_memory([weights, *(needs(model) if needs else [])], device, ranks)
+
+
+def check_cache(model: Transformer, batch_size: int, max_seq_length: int, name: str = "the KV cache") -> None:
+    """check_memory for the KV cache model.setup_caches(batch_size, max_seq_length) is about to
+    allocate (the one it replaces is freed first), where a library caller sizes it."""
+    dtype = model.norm.weight.dtype
+    old = kv_cache_bytes(model, model.max_batch_size, model.max_seq_length, dtype) if model.max_seq_length > 0 else 0
+    check_memory([Need(name, kv_cache_bytes(model, batch_size, max_seq_length, dtype) - old,
+                       "lower the batch size or the sequence length",
+                       f" for {batch_size} x {max_seq_length} tokens")], model.norm.weight.device)
+
+
+def weight_bytes(model: Transformer, dtype: torch.dtype) -> int:
+    """Bytes of the weights load_model reads into `model` (as meta_model builds it): float tensors
+    in `dtype`, except quantized layers' scales and zeros, which keep theirs, as do integers."""
+    expected, keep = checkpoint.expected_shapes(model), quantize.float_tensor_names(model)
+    return sum(math.prod(shape) * (dtype.itemsize if expected.dtypes[name].is_floating_point and name not in keep
+                                   else expected.dtypes[name].itemsize)
+               for name, shape in expected.items())
+
+
+def kv_cache_bytes(model: Transformer, batch_size: int, max_seq_length: int, dtype: torch.dtype) -> int:
+    """Bytes of the KV cache model.setup_caches(batch_size, max_seq_length) allocates in `dtype`:
+    keys and values of every layer (this rank's KV heads), a sliding layer's ring only its window."""
+    window = model.args.sliding_window
+    ring = window if window and window < max_seq_length else None
+    per_row = sum(2 * a.n_kv_heads * a.head_dim * (ring if ring and a.sliding else max_seq_length)
+                  for a in (layer.attention for layer in model.layers))
+    return batch_size * per_row * dtype.itemsize
+
+
+def logits_bytes(vocab_size: int, rows: int) -> int:
+    """Float32 logits of `rows` positions, twice: the model's output and the sampler's (or the
+    loss's) working copy."""
+    return 2 * rows * vocab_size * 4
+
+
+def activation_bytes(args, tokens: int, kv_len: int, dtype: torch.dtype) -> int:
+    """The largest activations of one forward over `tokens` positions (all rows) whose queries see
+    kv_len keys, roughly: a few residual-stream tensors and a feed-forward's hidden states at once,
+    and the additive attention mask."""
+    hidden = max(args.intermediate_size, (args.moe_intermediate_size or 0) * args.n_experts_per_token)
+    return tokens * (4 * args.dim + 3 * hidden + kv_len) * dtype.itemsize
 
 
 def trained_context(args) -> int:
@@ -455,6 +612,7 @@ class Engine(Generator):
     def setup(self, batch_size: int, max_seq_length: int):
         model = self.model
         if model.max_batch_size != batch_size or model.max_seq_length != max_seq_length:
+            check_cache(model, batch_size, max_seq_length)
             model.setup_caches(batch_size, max_seq_length)
 
     def warm_up(self, prompts: list, sampling: Sampling, steps: int = 3, host: bool = False,
@@ -807,6 +965,7 @@ class BatchEngine:
         self.model, self.device = model, model.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.prefill_chunk, self.max_waiting, self.prefix_reuse = prefill_chunk, max_waiting, prefix_reuse
+        check_cache(model, max_batch_size + 1, max_seq_length)
         model.setup_caches(max_batch_size + 1, max_seq_length)  # the last row: padding rows write there
         self.scratch_row = max_batch_size
         self.slots = [Slot() for _ in range(max_batch_size)]

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import checkpoint
-from engine import check_vocabulary, load_model, log, parse_device, parse_dtype, trained_context
+from engine import (Need, activation_bytes, check_vocabulary, kv_cache_bytes, load_model, log, logits_bytes,
+                    parse_device, parse_dtype, trained_context)
 from errors import UserError, run_cli
 from tokenizer import Tokenizer
 
@@ -60,6 +61,17 @@ def perplexity(model, ids: list, window: int, stride: int, chunk: int = 0,
             if end == len(ids):
                 break
     return math.exp(nll / scored), scored
+
+
+def memory_needs(model, args, window: int, dtype) -> list:
+    """What perplexity() allocates beside the weights: the cache (the whole --window, as asked), and
+    a window's logits and activations (window: --window, cut to the text)."""
+    step = args.chunk or window
+    return [Need("the KV cache", kv_cache_bytes(model, 1, args.window, dtype), "lower --window",
+                 f" of {args.window} tokens"),
+            Need("the logits", logits_bytes(model.args.vocab_size, window), "lower --window", f" of {window} tokens"),
+            Need("the activations", activation_bytes(model.args, step, window, dtype),
+                 "lower --window or pass --chunk", f" of {step} tokens")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +123,7 @@ def main(argv=None):
         if not args.extend_context:
             raise UserError(f"{where}: lower it, or pass --extend_context to score past it anyway")
         log(f"warning: {where}; the perplexity there says little about the model")
-    model = load_model(args.checkpoint, device, dtype)
+    model = load_model(args.checkpoint, device, dtype, needs=lambda model: memory_needs(model, args, window, dtype))
     scheme = model.args.quantization
     log(f"{args.checkpoint} ({scheme['mode'] if scheme else args.dtype}): {len(ids)} tokens of {args.text}, "
         f"window {args.window}, stride {args.stride}" + (f", {args.chunk} tokens a forward" if args.chunk else ""))

@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import errors
 
@@ -26,8 +27,9 @@ import torch
 import speculative
 import checkpoint
 from checkpoint import write_json
-from engine import (MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Sampling, check_sampling, check_vocabulary,
-                    load_model, log, parse_device, parse_dtype, trained_context)
+from engine import (MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Need, Sampling, activation_bytes,
+                    check_sampling, check_vocabulary, dtype_name, kv_cache_bytes, load_model, log, logits_bytes,
+                    meta_model, parse_device, parse_dtype, trained_context, weight_bytes)
 from errors import UserError, run_cli
 from grammar import Grammars
 from model import ModelArgs, param_bytes
@@ -348,18 +350,49 @@ def run_interactive(engine: Generator, tok: Tokenizer, args, sampling: Sampling,
     return all_metrics
 
 
-def load(tp, checkpoint_dir, device, dtype, shard: bool = True):
+def memory_needs(args, prompts, max_seq_length: int, dtype, draft_dtype) -> Callable:
+    """For load_model's memory check, what the run allocates beside the target's weights, given the
+    target as it is built (a rank's shard): its KV cache, the batch's logits, the prefill's
+    activations, and a draft's weights and KV cache (every rank holds the whole draft)."""
+    batch = len(prompts) if prompts else 1
+    prompt_tokens = max(len(p) for p in prompts) if prompts else max_seq_length  # a chat turn: the conversation
+    length = "--max_seq_length" if args.max_seq_length is not None or args.interactive else "--max_new_tokens"
+    several = "--batch_size" if args.batch_size > 1 else "--prompt" if batch > 1 else None
+    lower_rows = {"--batch_size": "lower --batch_size", "--prompt": "give fewer --prompt", None: None}[several]
+    lower_cache = f"lower --batch_size or {length}" if several == "--batch_size" else \
+        f"give fewer --prompt or lower {length}" if several else f"lower {length}"
+    rows = f"{batch} sequences" if batch > 1 else "1 sequence"
+    draft = meta_model(checkpoint.read_config(args.draft_checkpoint)) if args.draft_checkpoint else None
+
+    def needs(model) -> list:
+        out = [Need("the KV cache", kv_cache_bytes(model, batch, max_seq_length, dtype), lower_cache,
+                    f" for {rows} of {max_seq_length} tokens"),
+               Need("the logits", logits_bytes(model.args.vocab_size, batch), lower_rows or lower_cache, f" of {rows}"),
+               Need("the prefill", activation_bytes(model.args, batch * prompt_tokens, prompt_tokens, dtype),
+                    "lower --max_seq_length" if args.interactive else lower_rows or "shorten the prompt",
+                    f" of {rows} of {prompt_tokens} tokens")]
+        if draft is not None:
+            out += [Need("the draft's weights", weight_bytes(draft, draft_dtype),
+                         "pass a smaller --draft_dtype or a smaller --draft_checkpoint", f" in {dtype_name(draft_dtype)}"),
+                    Need("the draft's KV cache", kv_cache_bytes(draft, 1, max_seq_length, draft_dtype),
+                         f"lower {length}", f" of {max_seq_length} tokens")]
+        return out
+    return needs
+
+
+def load(tp, checkpoint_dir, device, dtype, shard: bool = True, needs=None):
     """Under torchrun every rank loads its shard (or, shard=False, the whole model); if one
     fails, all stop with its message."""
     if tp is not None:
-        return tp.all_ranks_ok(load_model, checkpoint_dir, device, dtype, tp=tp if shard else None)
-    return load_model(checkpoint_dir, device, dtype)
+        return tp.all_ranks_ok(load_model, checkpoint_dir, device, dtype, tp=tp if shard else None, needs=needs)
+    return load_model(checkpoint_dir, device, dtype, needs=needs)
 
 
-def build_engine(args, tp, device, dtype, draft_dtype) -> Generator:
-    """The target's Engine, wrapped in a SpeculativeEngine when a proposer is asked for."""
+def build_engine(args, tp, device, dtype, draft_dtype, needs=None) -> Generator:
+    """The target's Engine, wrapped in a SpeculativeEngine when a proposer is asked for; needs: the
+    run's other buffers, checked with the target's weights before they load (memory_needs)."""
     start = time.perf_counter()
-    model = load(tp, args.checkpoint, device, dtype)
+    model = load(tp, args.checkpoint, device, dtype, needs=needs)
     log(f"loaded {args.checkpoint} ({model.args.architecture}, {param_bytes(model) / 1e6:.0f} MB of weights "
         f"in {args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
     engine = Engine(model, compile=args.compile, compile_prefill=args.compile_prefill, compile_mode=args.compile_mode)
@@ -398,7 +431,8 @@ def main(argv=None):
     max_seq_length = cache_length(args, config, prompts)
     if args.draft_checkpoint:
         speculative.check_same_tokenizer(args.checkpoint, args.draft_checkpoint)
-    engine = build_engine(args, tp, device, dtype, draft_dtype)
+    engine = build_engine(args, tp, device, dtype, draft_dtype, memory_needs(args, prompts, max_seq_length, dtype,
+                                                                             draft_dtype))
     engine.jump_forward = args.jump_forward
     stop_ids = [] if args.ignore_eos else sorted(set(engine.model.args.eos_token_ids) | set(tok.eos_ids))
 

@@ -772,6 +772,33 @@ def quantize_state(model, mode: str, groupsize: int, hessians: Optional[dict] = 
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def gptq_layers(model, scheme: Scheme) -> list:
+    """The layers GPTQ calibrates. Experts are rounded to nearest: one Hessian per expert from the
+    tokens routed to it is not collected."""
+    return [name for name in linear_names(model)
+            if layer_format(scheme, model.args, name).gptq and not is_experts(model.get_submodule(name))]
+
+
+def memory_needs(model, args, scheme: Scheme, sequences: Optional[list]) -> list:
+    """What quantizing allocates, from the float model built on the meta device: its weights (read in
+    float32), the quantized copy, and for GPTQ a Hessian per layer (and one layer's working copies)
+    and a calibration forward."""
+    from engine import Need, activation_bytes, kv_cache_bytes, logits_bytes, meta_model, weight_bytes
+    f32, machine = torch.float32, "quantize on a machine with more free memory"
+    quantized = meta_model(replace(model.args, quantization={"mode": args.mode, "groupsize": args.groupsize}))
+    needs = [Need("the float weights", weight_bytes(model, f32), machine, f" of {args.checkpoint} in float32"),
+             Need("the quantized copy", weight_bytes(quantized, f32), machine, f" ({args.mode})")]
+    if sequences:
+        width = [model.get_submodule(name).in_features for name in gptq_layers(model, scheme)]
+        length = max(map(len, sequences))
+        needs += [Need("the GPTQ Hessians", sum(w * w * 4 for w in width) + 3 * max(width, default=0) ** 2 * 4,
+                       f"use --mode int4 (round to nearest, no Hessians) or {machine}", f" of {len(width)} layers"),
+                  Need("the calibration forward", kv_cache_bytes(model, 1, length, f32)
+                       + logits_bytes(model.args.vocab_size, length) + activation_bytes(model.args, length, length, f32),
+                       "lower --calibration_length", f" of {length} tokens")]
+    return needs
+
+
 def default_out(checkpoint_dir: Path, mode: str, groupsize: int) -> Path:
     suffix = f"{mode}-g{groupsize}" if SCHEMES[mode].grouped else mode
     return checkpoint_dir.parent / f"{checkpoint_dir.name}-{suffix}"
@@ -814,19 +841,20 @@ def main(argv=None):
     out = args.out or default_out(args.checkpoint, args.mode, args.groupsize)
     if out.exists() and not args.force:
         raise QuantizeError(f"{out} exists (pass --force to replace it)")
+    sequences = None
+    if scheme.gptq:  # a calibration text too short fails before the weights load
+        from tokenizer import Tokenizer
+        sequences = calibration_sequences(Tokenizer(args.checkpoint), args.calibration, args.calibration_samples,
+                                          args.calibration_length)
+    import engine  # (engine imports this module)
+    engine.check_memory(memory_needs(engine.meta_model(config), args, scheme, sequences), "cpu")
     model = checkpoint.read_model(args.checkpoint)
 
     hessians = None
     if scheme.gptq:
-        from tokenizer import Tokenizer
-        sequences = calibration_sequences(Tokenizer(args.checkpoint), args.calibration, args.calibration_samples,
-                                          args.calibration_length)
-        # experts are rounded to nearest: one Hessian per expert from the tokens routed to it is not collected
-        names = [name for name in linear_names(model)
-                 if layer_format(scheme, config, name).gptq and not is_experts(model.get_submodule(name))]
         log(f"GPTQ: collecting layer inputs over {len(sequences)} x {args.calibration_length} tokens "
             f"of {args.calibration}")
-        hessians = collect_hessians(model, names, sequences)
+        hessians = collect_hessians(model, gptq_layers(model, scheme), sequences)
     with torch.no_grad():
         state = quantize_state(model, args.mode, args.groupsize, hessians)
     record = {"mode": args.mode, "embedding": layer_format(scheme, config, "tok_embeddings").name,

@@ -41,8 +41,9 @@ from typing import Callable, Optional
 import torch
 
 import checkpoint
-from engine import (MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan, bucket, check_sampling,
-                    check_vocabulary, decode_logits, load_model, log, parse_device, parse_dtype, trained_context)
+from engine import (MAX_LOGPROBS, BatchEngine, Need, QueueFull, Request, Sampling, StepPlan, activation_bytes, bucket,
+                    check_sampling, check_vocabulary, decode_logits, kv_cache_bytes, load_model, log, logits_bytes,
+                    meta_model, parse_device, parse_dtype, preflight, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
 from model import param_bytes
@@ -823,39 +824,19 @@ def build_app(server: Server):
 
 # ---------------------------------------------------------------- start-up
 
-def kv_cache_bytes(config, max_batch_size: int, max_seq_length: int, dtype: torch.dtype, world: int = 1) -> int:
-    """Bytes of the KV cache BatchEngine allocates (its rows plus the scratch row), on one rank."""
-    a = config
-    window = a.sliding_window if a.sliding_window and a.sliding_window < max_seq_length else None
-    per_row = sum(2 * -(-a.n_kv_heads // world) * a.head_dim * (window if window and t == "sliding_attention"
-                                                                 else max_seq_length)
-                  for t in a.layer_types)
-    return per_row * (max_batch_size + 1) * torch.empty((), dtype=dtype).element_size()
-
-
-def available_memory(device: torch.device) -> Optional[int]:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def preflight(config, args, device, dtype, world: int):
-    """Refuse, before anything is allocated, a cache and weights that do not fit in memory."""
-    need = kv_cache_bytes(config, args.max_batch_size, args.max_seq_length, dtype, world)
-    weights = sum(f.stat().st_size for f in Path(args.checkpoint).glob("*.safetensors")) // world
-    have = available_memory(device)
-    if have is not None and need + weights > have * 0.9:
-        raise UserError(f"the KV cache ({args.max_batch_size} + 1 rows x {args.max_seq_length} tokens = "
-                        f"{need / 2**30:.2f} GiB) and the weights ({weights / 2**30:.2f} GiB) need more than the "
-                        f"{have / 2**30:.2f} GiB available on {device}: lower --max_batch_size or --max_seq_length")
-    return need
+def memory_needs(model, args, dtype) -> list:
+    """What BatchEngine allocates beside the weights, given the model as load_model builds it (a
+    rank's shard): a cache row per slot and a scratch row, a step's logits (a row per slot), and a
+    step's activations (a prefill chunk, or a row per slot) with one layer's keys and values that
+    the slots' rows gather."""
+    rows, length = args.max_batch_size + 1, args.max_seq_length
+    cache = kv_cache_bytes(model, rows, length, dtype)
+    step = max(min(args.prefill_chunk, length), rows)  # tokens in one forward
+    return [Need("the KV cache", cache, "lower --max_batch_size or --max_seq_length",
+                 f" for {args.max_batch_size} + 1 rows of {length} tokens"),
+            Need("the logits", logits_bytes(model.args.vocab_size, rows), "lower --max_batch_size", f" of {rows} rows"),
+            Need("a step's activations", activation_bytes(model.args, step, length, dtype) + cache // len(model.layers),
+                 "lower --prefill_chunk, --max_batch_size or --max_seq_length")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -956,12 +937,16 @@ def main(argv=None):
     checkpoint.require_dir(args.checkpoint)
     config = checkpoint.read_config(args.checkpoint)
     args.max_seq_length = args.max_seq_length or min(4096, trained_context(config))
-    preflight(config, args, device, dtype, tp.world_size if tp is not None else 1)
-    check_context(args, config)  # after the memory check, whose error names both flags that lower it
+    needs = lambda model: memory_needs(model, args, dtype)  # noqa: E731
+    # before the context check, as the memory error names both flags that lower it; under torchrun
+    # each rank checks its own shard as it loads
+    if tp is None:
+        preflight(meta_model(config), args.checkpoint, device, dtype, needs)
+    check_context(args, config)
     tokenizer = Tokenizer(args.checkpoint)
     check_vocabulary(tokenizer, config, args.checkpoint)
     start = time.perf_counter()
-    model = (tp.all_ranks_ok(load_model, args.checkpoint, device, dtype, tp=tp) if tp is not None
+    model = (tp.all_ranks_ok(load_model, args.checkpoint, device, dtype, tp=tp, needs=needs) if tp is not None
              else load_model(args.checkpoint, device, dtype))
     log(f"loaded {args.checkpoint} ({model.args.architecture}, {param_bytes(model) / 1e6:.0f} MB of weights in "
         f"{args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")

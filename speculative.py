@@ -63,9 +63,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from engine import (ONE_SEQUENCE, Engine, Generator, Request, Sampling, Stats, adjust_logits, check_fits,
-                    common_prefix, compile_options, decode_metrics, guards_skipped, log, logits_to_probs, pick_tokens,
-                    reusable_prefix, sample_probs, token_logprobs)
+from engine import (ONE_SEQUENCE, Engine, Generator, Request, Sampling, Stats, adjust_logits, check_cache,
+                    check_fits, common_prefix, compile_options, decode_metrics, guards_skipped, log, logits_to_probs,
+                    pick_tokens, reusable_prefix, sample_probs, token_logprobs)
 from errors import UserError
 from grammar import allow_tokens, apply_mask, unpack_mask_on_host
 from model import RingKVCache, Transformer, param_bytes
@@ -296,6 +296,7 @@ class DraftProposer(Proposer):
 
     def setup(self, max_seq_length: int):
         if self.model.max_batch_size != 1 or self.model.max_seq_length != max_seq_length:
+            check_cache(self.model, 1, max_seq_length, "the draft's KV cache")
             self.model.setup_caches(1, max_seq_length)
             self.fed = []
         self.ring = RingSnapshot(self.model)

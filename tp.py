@@ -499,3 +499,8 @@ def sharded_bytes(model: nn.Module, tp: Optional[TensorParallel] = None) -> tupl
     tensors = {id(t): t for t in list(model.parameters()) + buffers}
     nbytes = lambda ids: sum(t.numel() * t.element_size() for i, t in tensors.items() if i in ids)  # noqa: E731
     return nbytes(sharded), nbytes(set(tensors) - sharded)
+
+
+def ranks_on_this_machine() -> int:
+    """Ranks that torchrun started on this machine (LOCAL_WORLD_SIZE): on CPU they share its memory."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

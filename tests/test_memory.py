@@ -1,0 +1,179 @@
+"""Memory preflight: a run whose buffers do not fit is refused, before anything large is
+allocated, with one line naming the buffer, both figures and the flag that lowers it."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpoint
+import engine
+import quantize
+from conftest import ROOT, TEST_DEVICE, random_model, run_script, save_checkpoint
+from engine import Need, OutOfMemory, check_memory, kv_cache_bytes, meta_model, weight_bytes
+from tp import TensorParallel, sharded_bytes
+
+FIGURES = r"would need [\d.]+ [kMGTP]?B\b.*, but [\d.]+ [kMGTP]?B is available on "
+
+
+def refused(r, flag: str) -> str:
+    """The one error line of a command line refused for memory, which names `flag`."""
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 1 and len(errors) == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert re.search(FIGURES, errors[0]) and flag in errors[0].split(": ")[-1], errors[0]
+    return errors[0]
+
+
+# ---------------------------------------------------------------- the command lines, with the real free memory
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--batch_size", 100000], "--batch_size"),
+    (["--max_new_tokens", 1000000, "--extend_context"], "--max_new_tokens"),
+    (["--max_seq_length", 100000000, "--extend_context"], "--max_seq_length"),
+], ids=["batch_size", "max_new_tokens", "max_seq_length"])
+def test_generate_refuses_a_cache_beyond_memory(smollm2_dir, flags, flag):
+    args = checkpoint.read_config(smollm2_dir)
+    need = kv_cache_bytes(meta_model(args), 1, 1000000, torch.float32)
+    if flags[0] == "--max_new_tokens" and need < engine.MEMORY_MARGIN * engine.available_memory(TEST_DEVICE):
+        pytest.skip("a million tokens of SmolLM2's cache fit on this device")
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--no-compile", *flags, timeout=60)
+    line = refused(r, flag)
+    assert line.startswith("error: the KV cache for ")
+
+
+def test_eval_refuses_a_window_beyond_memory(smollm2_dir):
+    # a short text: the trained-context check sees the window cut to the text, the cache is --window long
+    r = run_script("eval.py", "--checkpoint", smollm2_dir, "--window", 100000000, "--max_tokens", 100, timeout=60)
+    assert refused(r, "--window").startswith("error: the KV cache of 100000000 tokens")
+
+
+def test_serve_refuses_slots_beyond_memory(smollm2_dir):
+    r = run_script("serve.py", "--checkpoint", smollm2_dir, "--max_batch_size", 100000, "--no-compile", timeout=60)
+    assert refused(r, "--max_batch_size").startswith("error: the KV cache for 100000 + 1 rows of ")
+
+
+def test_generate_counts_the_draft(smollm2_dir, monkeypatch):
+    # under a cap of 600 MB: the float32 draft's weights (538 MB) are the largest of what does not fit
+    target = smollm2_dir.parent / "smollm2-135m-int8"
+    if not target.is_dir():
+        pytest.skip(f"{target} is not prepared")
+    monkeypatch.setenv("MINILLM_AVAILABLE_MEMORY", str(600 * 10**6))
+    r = run_script("generate.py", "--checkpoint", target, "--no-compile", "--draft_checkpoint", smollm2_dir,
+                   "--max_new_tokens", 8, timeout=60)
+    assert refused(r, "--draft_dtype").startswith("error: the draft's weights in float32 would need 538 MB")
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU ranks share one machine's memory; a GPU rank has its own")
+def test_each_tensor_parallel_rank_checks_its_shard(smollm2_dir):
+    # SmolLM2's 3 KV heads split 2 + 1; a 6 GB cap is 3 GB for each rank, where rank 0's cache does not fit
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "generate.py",
+           "--checkpoint", str(smollm2_dir), "--no-compile", "--batch_size", "300", "--device", "cpu"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="60", MINILLM_AVAILABLE_MEMORY=str(6 * 10**9))
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith("error: rank 0: the KV cache for 300 sequences of 256 tokens would need 2.36 GB") \
+        and "but 3 GB is available on cpu for each of the 2 ranks on this machine" in errors[0] \
+        and errors[0].endswith(": lower --batch_size or --max_new_tokens"), errors[0]
+
+
+# ---------------------------------------------------------------- quantize.py, under a cap on the free memory
+
+def test_quantize_refuses_weights_beyond_memory(smollm2_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILLM_AVAILABLE_MEMORY", str(300 * 10**6))
+    r = run_script("quantize.py", "--checkpoint", smollm2_dir, "--mode", "int8", "--out", tmp_path / "q", timeout=60)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 1 and len(errors) == 1 and re.search(FIGURES, errors[0]), r.stderr[-2000:]
+    assert errors[0].startswith("error: the float weights of ") and "300 MB is available" in errors[0]
+    assert not (tmp_path / "q").exists()
+
+
+def test_quantize_refuses_calibration_beyond_memory(smollm2_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILLM_AVAILABLE_MEMORY", str(2 * 10**9))
+    r = run_script("quantize.py", "--checkpoint", smollm2_dir, "--mode", "int4-gptq", "--out", tmp_path / "q",
+                   "--calibration_samples", 1, "--calibration_length", 8000, timeout=60)
+    assert refused(r, "--calibration_length").startswith("error: the calibration forward of 8000 tokens")
+
+
+# ---------------------------------------------------------------- the estimators
+
+def cache_bytes(model) -> int:
+    return sum(b.nbytes for name, b in model.named_buffers() if "cache" in name)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+                                       {"n_kv_heads": 1, "head_dim": 24}], ids=["full", "ring", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_bytes_is_what_setup_caches_allocates(overrides, dtype):
+    model = random_model(**overrides).to(dtype)
+    for batch, length in [(1, 8), (3, 100), (2, 16)]:
+        model.setup_caches(batch, length)
+        assert kv_cache_bytes(model, batch, length, dtype) == cache_bytes(model)
+
+
+def test_weight_bytes_is_what_load_model_reads(tmp_path, smollm2_dir):
+    float_dir = save_checkpoint(random_model(vocab_size=320), tmp_path / "float")
+    for ckpt in (float_dir, smollm2_dir.parent / "smollm2-135m-int4-g32"):
+        if not ckpt.is_dir():
+            continue
+        for dtype in (torch.float32, torch.bfloat16):
+            model = meta_model(checkpoint.read_config(ckpt))
+            state = checkpoint.read_weights(ckpt, checkpoint.expected_shapes(model), "cpu", dtype,
+                                            keep_dtype=quantize.float_tensor_names(model).__contains__)
+            assert weight_bytes(model, dtype) == sum(t.nbytes for t in state.values()), (ckpt, dtype)
+
+
+def test_tensor_parallel_rank_counts_its_shard():
+    args = random_model(vocab_size=320, n_heads=4, n_kv_heads=2).args
+    full = meta_model(args)
+    shards = [meta_model(args, TensorParallel(rank, 2, group_name="unused")) for rank in range(2)]
+    split, replicated = sharded_bytes(full)
+    assert weight_bytes(full, torch.float32) == split + replicated
+    assert sum(weight_bytes(m, torch.float32) for m in shards) == split + 2 * replicated
+    assert sum(kv_cache_bytes(m, 2, 64, torch.float32) for m in shards) == kv_cache_bytes(full, 2, 64, torch.float32)
+
+
+# ---------------------------------------------------------------- the free memory and the refusal
+
+def test_cpu_free_memory_is_meminfo_available(tmp_path, monkeypatch):
+    monkeypatch.delenv("MINILLM_AVAILABLE_MEMORY", raising=False)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24684100 kB\nMemFree:         1000000 kB\nMemAvailable:    2000000 kB\n")
+    monkeypatch.setattr(engine, "MEMINFO", str(meminfo))
+    assert engine.available_memory("cpu") == 2000000 * 1024
+    monkeypatch.setenv("MINILLM_AVAILABLE_MEMORY", "1e9")  # a cap below it
+    assert engine.available_memory("cpu") == 10**9
+    monkeypatch.delenv("MINILLM_AVAILABLE_MEMORY")
+    meminfo.write_text("MemTotal:       24684100 kB\n")  # an old kernel: unknown, nothing is refused
+    assert engine.available_memory("cpu") is None
+    check_memory([Need("the KV cache", 10**15, "lower --batch_size")], "cpu")
+    monkeypatch.setattr(engine, "MEMINFO", str(tmp_path / "missing"))
+    assert engine.available_memory("cpu") is None
+
+
+def test_cuda_free_memory_is_mem_get_info(monkeypatch):
+    monkeypatch.delenv("MINILLM_AVAILABLE_MEMORY", raising=False)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (5 * 10**9, 8 * 10**9))
+    assert engine.available_memory("cuda:1") == 5 * 10**9 and asked == [torch.device("cuda:1")]
+    with pytest.raises(OutOfMemory, match=r"^the weights would need 6 GB, but 5 GB is available on cuda "):
+        check_memory([Need("the weights", 6 * 10**9, "pass a smaller --dtype")], "cuda:1")
+
+
+def test_refusal_names_the_largest_need_both_figures_and_its_flag(monkeypatch):
+    monkeypatch.setenv("MINILLM_AVAILABLE_MEMORY", str(20 * 10**9))
+    needs = [Need("the weights", 2 * 10**9, "pass a smaller --dtype", " of x in float32"),
+             Need("the KV cache", 3100 * 10**9, "lower --batch_size or --max_new_tokens", " for 100000 sequences"),
+             Need("the logits", 0, "lower --batch_size")]
+    with pytest.raises(OutOfMemory) as e:
+        check_memory(needs, "cpu")
+    assert str(e.value) == ("the KV cache for 100000 sequences would need 3.1 TB (3.1 TB with the weights), but 20 GB "
+                            "is available on cpu (a run plans 90% of it): lower --batch_size or --max_new_tokens")
+    check_memory(needs[:1], "cpu")  # 2 GB fit
+    with pytest.raises(OutOfMemory, match="but 2 GB is available on cpu for each of the 10 ranks on this machine"):
+        check_memory(needs[:1], "cpu", ranks=10)
+    with pytest.raises(OutOfMemory, match=r"would need 19 GB, but 20 GB .* \(a run plans 90% of it\)"):
+        check_memory([Need("the weights", 19 * 10**9, "pass a smaller --dtype")], "cpu")  # within the margin only
