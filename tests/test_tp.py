@@ -228,12 +228,14 @@ def smollm2_quantized(smollm2_dir, tmp_path_factory) -> dict:
     return {f"smollm2-{mode}": tmp / mode for mode in ("int8", "int4")}
 
 
-@pytest.mark.parametrize("ranks,mode", [(2, "int8"), (3, "int4")])
-def test_cli_tp_quantized_text_is_single_process_text(smollm2_quantized, ranks, mode):
+@pytest.mark.parametrize("ranks,mode", [(2, "int8"), (3, "int4"), *[pytest.param(*case, marks=pytest.mark.slow)
+                                                                   for case in [(3, "int8"), (2, "int4"), (3, "float32")]]])
+def test_cli_tp_text_is_single_process_text(smollm2_dir, smollm2_quantized, ranks, mode):
     """torchrun + generate.py with an int8 or int4 SmolLM2 (its activations rounded to int8 by
     kernels.py's loops) prints one process's greedy text: tp.py's exact mode. 96 tokens: in
-    allreduce mode the int8 text parted from one process's at the 14th."""
-    ckpt = smollm2_quantized[f"smollm2-{mode}"]
+    allreduce mode the int8 text parted from one process's at the 14th, the int4 one at the 2nd.
+    (Float on 2 ranks: test_cli_tp2_prints_once_and_matches_single_process.)"""
+    ckpt = smollm2_dir if mode == "float32" else smollm2_quantized[f"smollm2-{mode}"]
     flags = ["--checkpoint", ckpt, "--prompt", "The history of the Roman Empire", "--no-compile",
              "--max_new_tokens", 96]
     single = run_script("generate.py", *flags)
