@@ -41,8 +41,9 @@ from typing import Callable, Optional
 import torch
 
 import checkpoint
-from engine import (MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan, bucket, check_sampling,
-                    check_vocabulary, decode_logits, load_model, log, parse_device, parse_dtype, trained_context)
+from engine import (MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan, bucket, check_longrope_batching,
+                    check_sampling, check_vocabulary, decode_logits, load_model, log, longrope_switch, parse_device,
+                    parse_dtype, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
 from model import param_bytes
@@ -950,7 +951,8 @@ def main(argv=None):
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     checkpoint.require_dir(args.checkpoint)
     config = checkpoint.read_config(args.checkpoint)
-    args.max_seq_length = args.max_seq_length or min(4096, trained_context(config))
+    args.max_seq_length = args.max_seq_length or min(4096, trained_context(config), longrope_switch(config) or 4096)
+    check_longrope_batching(config, args.max_seq_length)  # before the model loads
     preflight(config, args, device, dtype, tp.world_size if tp is not None else 1)
     check_context(args, config)  # after the memory check, whose error names both flags that lower it
     tokenizer = Tokenizer(args.checkpoint)
