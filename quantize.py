@@ -513,15 +513,35 @@ class Int8Experts(QuantizedLayer):
         self.cpu_kernel_layout = for_cpu_kernel(self.weight)
         if self.cpu_kernel_layout:  # the kernel reads rows of a multiple of 32 columns
             self.weight = pad_columns(self.weight, 32).contiguous()
+            # a compiled step reads an expert id with Tensor.item() (decode_slots), which TorchDynamo
+            # otherwise refuses to put in the graph
+            torch._dynamo.config.capture_scalar_outputs = True
 
     def forward(self, x: Tensor, ids: Tensor) -> Tensor:
         if not self.cpu_kernel_layout:
             return through_experts(self, x, ids)
         N, k = ids.shape
         x = x.unsqueeze(1).expand(N, k, x.shape[-1]) if x.dim() == 2 else x  # (N, k, in)
-        y = torch.ops.minillm_quantize.int8_experts(x.float(), ids, self.weight, self.scales, self.n_experts)
+        if torch.compiler.is_compiling() and N * k <= min(self.n_experts, kernels.MAX_TOKENS):
+            y = self.decode_slots(padded_tokens(x, self.weight.shape[-1]).view(N, k, -1), ids)
+        else:
+            y = torch.ops.minillm_quantize.int8_experts(x.float(), ids, self.weight, self.scales, self.n_experts)
         y = y.to(x.dtype)  # (N, k, out)
         return y if self.bias is None else y + self.bias.view(self.n_experts, -1)[ids].to(y.dtype)
+
+    def decode_slots(self, xp: Tensor, ids: Tensor) -> Tensor:
+        """A compiled decode step's few slots, xp (N, k, width) float32: one kernels.q8_linear call
+        per slot on a view of its expert's rows, at an offset read from ids inside the graph, so
+        nothing is copied and no Python runs per call. (N, k, out) float32."""
+        weight, scales = self.weight.view(self.n_experts, -1, self.weight.shape[-1]), self.scales.view(self.n_experts, -1)
+        rows = []
+        for n in range(ids.shape[0]):
+            for j in range(ids.shape[1]):
+                e = ids[n, j].item()
+                torch._check(e >= 0)
+                torch._check(e < self.n_experts)
+                rows.append(kernels.q8_linear(xp[n, j:j + 1], weight[e], scales[e]))  # (1, out)
+        return torch.cat(rows).view(*ids.shape, -1)
 
     def gathered(self, ids: Tensor, dtype: torch.dtype) -> Tensor:  # (N, k, out, in)
         q = self.weight.view(self.n_experts, -1, self.weight.shape[-1])[ids][..., :self.in_features]
