@@ -147,7 +147,7 @@ def machine() -> str:
         name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
     except OSError:
         name = platform.processor()
-    return f"{torch.get_num_threads()} threads of a {name or 'CPU'} ({torch.backends.cpu.get_cpu_capability()}), " \
+    return f"{torch.get_num_threads()} threads; {name or 'CPU'} ({torch.backends.cpu.get_cpu_capability()}), " \
            f"{platform.system()}, torch {torch.__version__}"
 
 
