@@ -534,6 +534,33 @@ def check_fits(start_pos: int, prompt_tokens: int, max_new_tokens: int, max_seq_
 ONE_SEQUENCE = "speculative decoding runs one sequence at a time: use a single prompt and --batch_size 1"
 
 
+def longrope_switch(args) -> Optional[int]:
+    """The sequence length past which a LongRoPE model (Phi-3) rotates with its long factors; None
+    for other models."""
+    scaling = args.rope_scaling or {}
+    return scaling["original_max_position_embeddings"] if scaling.get("rope_type") == "longrope" else None
+
+
+def crosses_longrope_switch(args, start_pos: int, prompt_tokens: int, max_new_tokens: int) -> bool:
+    """Whether a generation onto start_pos cached tokens feeds a forward that outgrows LongRoPE's
+    original context while keys rotated with the short factors sit in the cache. transformers'
+    Phi-3 generate() then computes the whole sequence again (Engine.generate does too); a prompt
+    that is already past the switch from slot 0 is rotated long from the start."""
+    switch = longrope_switch(args)
+    end = start_pos + prompt_tokens + max_new_tokens - 1  # the last new token is never fed
+    return switch is not None and start_pos <= switch < end and (start_pos > 0 or prompt_tokens <= switch)
+
+
+def check_longrope_batching(args, max_seq_length: int):
+    """Continuous batching (BatchEngine) does not recompute a request's keys when it crosses LongRoPE's
+    switch, and one row past it would turn every row of the step to the long factors: its cache
+    must end there."""
+    switch = longrope_switch(args)
+    if switch is not None and max_seq_length > switch:
+        raise UserError(f"max_seq_length {max_seq_length} is past this LongRoPE model's original context ({switch} "
+                        f"tokens), where continuous batching would have to recompute every cached key: use at most {switch}")
+
+
 def common_prefix(a: list, b: list) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -661,10 +688,18 @@ class Engine(Generator):
         the host (pick_tokens) instead of sampling inside the compiled step. At batch size 1,
         tokens a grammar forces go through the model as one chunk with the sampled token before
         them, not one step each; a batch shares one position per step, so there each row's
-        forced tokens come one per step (its mask allows nothing else)."""
+        forced tokens come one per step (its mask allows nothing else).
+
+        LongRoPE (Phi-3): the step whose tokens first take the sequence past the original context
+        runs the whole sequence again from slot 0 instead (`rerun`), so that every cached key is
+        rotated with the long factors, as transformers' generate() does; the longest row of a
+        batch decides when."""
         batch, prompt_len = len(prompts), max(len(p) for p in prompts)
         device = self.device
         check_fits(start_pos, prompt_len, max_new_tokens, self.model.max_seq_length)
+        if start_pos and crosses_longrope_switch(self.model.args, start_pos, prompt_len, max_new_tokens):
+            raise UserError(f"continuing {start_pos} cached tokens past LongRoPE's original context "
+                            f"({longrope_switch(self.model.args)} tokens) recomputes them: pass the whole sequence (start_pos 0)")
         pad = torch.tensor([prompt_len - len(p) for p in prompts], device=device)
         tokens = torch.tensor([[0] * (prompt_len - len(p)) + list(p) for p in prompts], device=device)
         stop = frozenset(stop_ids)
@@ -712,6 +747,7 @@ class Engine(Generator):
                 tokens = torch.cat([tokens, torch.tensor([rows[0].out], device=device)], 1)
                 prompt_len += len(rows[0].out)
         input_pos = torch.arange(start_pos, start_pos + prompt_len, device=device)
+        history = [tokens]  # what has gone through the model, (B, T) chunks from slot 0: a LongRoPE re-run's input
         prefilled = rows[0].finish_reason is None  # else a grammar forced the whole output: nothing to compute
         if not prefilled:
             feed = [[0]]
@@ -725,24 +761,25 @@ class Engine(Generator):
         times = []
         pos = start_pos + prompt_len if prefilled else start_pos  # where the next fed token goes
         if not host and not masked:
-            pos = self.decode_on_device(out, pos, pad, sampling, rows, accept, times)
+            pos = self.decode_on_device(out, pos, pad, sampling, rows, accept, times, history)
         steps = 0
         while not all(r.finish_reason for r in rows):  # tokens come back to the host: grammars, penalties
-            if len(feed[0]) > 1:  # one row: its sampled token and the ones its grammar forced, as one chunk
-                T = len(feed[0])
-                ids = pick(self.chunk(self.model, torch.tensor(feed, device=device),
-                                      torch.arange(pos, pos + T, device=device), pad, None, pos + T))
+            T, fed = len(feed[0]), torch.tensor(feed, device=device)
+            if self.needs_rerun(pos, T):  # LongRoPE's switch: the whole sequence again, picked on the host
+                ids = pick(self.rerun(history + [fed], pad, None))
+            elif T > 1:  # one row: its sampled token and the ones its grammar forced, as one chunk
+                ids = pick(self.chunk(self.model, fed, torch.arange(pos, pos + T, device=device), pad, None, pos + T))
             else:
                 mask = None
                 if masked:  # a row that has ended, or has no grammar, allows every token
                     mask = token_masks([r.constraint if r.finish_reason is None else None for r in rows],
                                        self.model.args.vocab_size).to(device)
                 with guards_skipped(steps > 0):  # clone: a CUDA graph's next replay overwrites its output
-                    out = self.decode_one_token(self.model, torch.tensor(feed, device=device),
-                                                torch.tensor([pos], device=device), pad,
+                    out = self.decode_one_token(self.model, fed, torch.tensor([pos], device=device), pad,
                                                 sampling if masked else None, mask).clone()
                 steps += 1
                 ids = out.view(-1).tolist() if masked else pick(out)
+            history.append(fed)
             pos += len(feed[0])
             feed = accept(ids)
             times.extend([time.perf_counter()] * len(feed[0]))  # a chunk's tokens arrive at once
@@ -755,20 +792,26 @@ class Engine(Generator):
         return [r.out for r in rows], stats
 
     def decode_on_device(self, out: Tensor, pos: int, pad: Tensor, sampling: Sampling, rows: list,
-                         accept: Callable, times: list) -> int:
+                         accept: Callable, times: list, history: list) -> int:
         """The decode loop when sampling runs inside the compiled step: a step's input is the
         previous step's output and its position a device counter, so nothing goes from the host to
         the device; the host only reads the tokens back (to stop, and to print). Returns the
-        position after the last step whose tokens were read."""
+        position after the last step whose tokens were read. history: the (B, T) chunks fed so
+        far, from slot 0; the steps' inputs are appended."""
         input_pos = torch.tensor([pos], device=self.device)
         budget = rows[0].max_new_tokens - len(rows[0].out)  # steps that can still hand out a token
-        launched = 0
+        first, launched, stepped = pos, 0, 0
 
         def launch(cur: Tensor) -> Tensor:
-            nonlocal launched
-            with guards_skipped(launched > 0):
-                # clone: under CUDA graphs the next replay overwrites the previous step's output buffer
-                nxt = self.decode_one_token(self.model, cur, input_pos, pad, sampling).clone()
+            nonlocal launched, stepped
+            if self.needs_rerun(first + launched, 1):  # LongRoPE's switch: the whole sequence again
+                nxt = self.rerun(history + [cur], pad, sampling)
+            else:
+                with guards_skipped(stepped > 0):
+                    # clone: under CUDA graphs the next replay overwrites the previous step's output buffer
+                    nxt = self.decode_one_token(self.model, cur, input_pos, pad, sampling).clone()
+                stepped += 1
+            history.append(cur)
             input_pos.add_(1)
             launched += 1
             return nxt
@@ -784,6 +827,20 @@ class Engine(Generator):
             if all(r.finish_reason for r in rows):
                 return pos
             out = ahead if ahead is not None else launch(out)
+
+    def needs_rerun(self, pos: int, T: int) -> bool:
+        """Whether feeding T tokens at slot pos first takes a LongRoPE model's sequence past its
+        original context, with keys rotated by the short factors in the cache (slots before pos)."""
+        switch = longrope_switch(self.model.args)
+        return switch is not None and 0 < pos <= switch < pos + T
+
+    def rerun(self, history: list, pad: Tensor, sampling: Optional[Sampling]) -> Tensor:
+        """The whole sequence (history: (B, T) chunks from slot 0) through the model again, which
+        rewrites every cached key with the long factors: as a prefill, each row's next token
+        (B, 1), or with sampling None its logits (B, V)."""
+        tokens = torch.cat(history, dim=1)  # (B, length so far)
+        n = tokens.shape[1]
+        return self.prefill(self.model, tokens, torch.arange(n, device=self.device), pad, sampling, n)
 
     def metrics(self, stats: Stats) -> dict:
         return decode_metrics(stats, self.model, self.device)
@@ -810,6 +867,8 @@ class Chat:
         if room < 2:
             raise UserError(f"the conversation ({len(ids)} tokens) fills the KV cache; "
                             "start again with a larger --max_seq_length")
+        if keep and crosses_longrope_switch(self.engine.model.args, keep, len(ids) - keep, min(max_new_tokens, room)):
+            keep = 0  # the cached keys were rotated with LongRoPE's short factors: the turn recomputes them
         self.last_prompt_tokens, self.last_prefill_tokens = len(ids), len(ids) - keep
         (out,), stats = self.engine.generate([ids[keep:]], min(max_new_tokens, room), sampling,
                                              self.tokenizer.eos_ids, start_pos=keep, on_tokens=on_tokens, **options)
@@ -841,8 +900,8 @@ def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> di
         "decode_tokens_per_s": tokens_per_s,
         "inter_token_latency_median_s": statistics.median(gaps) if gaps else 0.0,
         "inter_token_latency_p90_s": deciles[8],
-        # decode reads every weight once per step, whatever the batch size
-        "bandwidth_gb_s": param_bytes(model) * steps_per_s / 1e9,
+        # a step reads every dense weight once, whatever the batch size; a mixture's experts, those its rows chose
+        "bandwidth_gb_s": param_bytes(model, stats.batch_size) * steps_per_s / 1e9,
         "peak_memory_bytes": peak_memory_bytes(device),
     }
 
@@ -962,6 +1021,7 @@ class BatchEngine:
     def __init__(self, model: Transformer, max_batch_size: int, max_seq_length: int, compile: bool = False,
                  compile_mode: str = "default", prefill_chunk: int = 256, max_waiting: int = 64,
                  prefix_reuse: bool = True, fused_rows: Optional[int] = None):
+        check_longrope_batching(model.args, max_seq_length)
         self.model, self.device = model, model.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.prefill_chunk, self.max_waiting, self.prefix_reuse = prefill_chunk, max_waiting, prefix_reuse

@@ -717,12 +717,21 @@ class Transformer(nn.Module):
         return logits.float()
 
 
-def param_bytes(model: nn.Module) -> int:
-    """Bytes of weights read per decode step: every parameter and weight buffer once, except an
-    untied embedding table, of which a step reads only one row per token."""
+def param_bytes(model: nn.Module, tokens: int = 1) -> int:
+    """Bytes of weights read per decode step of `tokens` token slots (batch rows): every parameter
+    and weight buffer once, except an untied embedding table, of which a step reads only one row
+    per token, and a mixture's experts, of which it reads only the chosen ones: n_experts_per_token
+    of n_experts for one token. For more tokens, min(n_experts, tokens * n_experts_per_token)
+    experts, as if no two tokens chose the same expert: an upper bound, which real routing
+    (tokens sharing experts) stays under."""
     untied = not getattr(model, "args", None) or not model.args.tie_word_embeddings
     tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
     tensors.update((n, b) for n, b in model.named_buffers() if "cache" not in n)
-    return sum(t.numel() * t.element_size() for n, t in tensors.items()
-               if n not in ("inv_freq", "local_inv_freq", "long_inv_freq") and not (untied and n.startswith("tok_embeddings.")))
-
+    experts = tuple(f"{name}.experts." for name, m in model.named_modules() if isinstance(m, MoEFeedForward))
+    read = 1.0
+    if experts:  # each expert's rows of the stacked matrices (and of their scales) are a share n_experts
+        args = model.args
+        read = min(args.n_experts, tokens * args.n_experts_per_token) / args.n_experts
+    return round(sum(t.numel() * t.element_size() * (read if n.startswith(experts) else 1.0) for n, t in tensors.items()
+                     if n not in ("inv_freq", "local_inv_freq", "long_inv_freq")
+                     and not (untied and n.startswith("tok_embeddings."))))

@@ -490,9 +490,10 @@ class Int8Embedding(QuantizedLayer):
 
 class Int8Experts(QuantizedLayer):
     """model.Experts stored as Int8Linear's on-disk tensors: weight int8 (n_experts * out, in),
-    scales float32 (n_experts * out,). model.through_experts picks the path: the chosen experts'
-    integers gathered and dequantized (fused into the product in a compiled step), or, for a
-    prompt, one chosen expert dequantized at a time."""
+    scales float32 (n_experts * out,). On CPU with kernels.py, each chosen expert's rows go
+    through its int8 loop, as Int8Linear's do (`int8_experts`). Elsewhere model.through_experts
+    picks the path: the chosen experts' integers gathered and dequantized (fused into the product
+    in a compiled step), or, for a prompt, one chosen expert dequantized at a time."""
 
     def __init__(self, n_experts: int, in_features: int, out_per_expert: int, bias: bool = False):
         super().__init__()
@@ -500,6 +501,7 @@ class Int8Experts(QuantizedLayer):
         self.register_buffer("weight", torch.empty(self.out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.empty(self.out_features, dtype=torch.float32))
         self.register_buffer("bias", torch.empty(self.out_features) if bias else None)
+        self.cpu_kernel_layout = False
 
     @classmethod
     def like(cls, experts: Experts, groupsize: Optional[int] = None) -> "Int8Experts":
@@ -507,17 +509,74 @@ class Int8Experts(QuantizedLayer):
                    experts.bias is not None)
 
     def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
-        self.scales = self.scales.float()  # the integers stay in their on-disk layout
+        self.scales = self.scales.float()
+        self.cpu_kernel_layout = for_cpu_kernel(self.weight)
+        if self.cpu_kernel_layout:  # the kernel reads rows of a multiple of 32 columns
+            self.weight = pad_columns(self.weight, 32).contiguous()
+            # a compiled step reads an expert id with Tensor.item() (decode_slots), which TorchDynamo
+            # otherwise refuses to put in the graph
+            torch._dynamo.config.capture_scalar_outputs = True
 
     def forward(self, x: Tensor, ids: Tensor) -> Tensor:
-        return through_experts(self, x, ids)
+        if not self.cpu_kernel_layout:
+            return through_experts(self, x, ids)
+        N, k = ids.shape
+        x = x.unsqueeze(1).expand(N, k, x.shape[-1]) if x.dim() == 2 else x  # (N, k, in)
+        if torch.compiler.is_compiling() and N * k <= min(self.n_experts, kernels.MAX_TOKENS):
+            y = self.decode_slots(padded_tokens(x, self.weight.shape[-1]).view(N, k, -1), ids)
+        else:
+            y = torch.ops.minillm_quantize.int8_experts(x.float(), ids, self.weight, self.scales, self.n_experts)
+        y = y.to(x.dtype)  # (N, k, out)
+        return y if self.bias is None else y + self.bias.view(self.n_experts, -1)[ids].to(y.dtype)
+
+    def decode_slots(self, xp: Tensor, ids: Tensor) -> Tensor:
+        """A compiled decode step's few slots, xp (N, k, width) float32: one kernels.q8_linear call
+        per slot on a view of its expert's rows, at an offset read from ids inside the graph, so
+        nothing is copied and no Python runs per call. (N, k, out) float32."""
+        weight, scales = self.weight.view(self.n_experts, -1, self.weight.shape[-1]), self.scales.view(self.n_experts, -1)
+        rows = []
+        for n in range(ids.shape[0]):
+            for j in range(ids.shape[1]):
+                e = ids[n, j].item()
+                torch._check(e >= 0)
+                torch._check(e < self.n_experts)
+                rows.append(kernels.q8_linear(xp[n, j:j + 1], weight[e], scales[e]))  # (1, out)
+        return torch.cat(rows).view(*ids.shape, -1)
 
     def gathered(self, ids: Tensor, dtype: torch.dtype) -> Tensor:  # (N, k, out, in)
-        q = self.weight.view(self.n_experts, -1, self.weight.shape[-1])[ids]
+        q = self.weight.view(self.n_experts, -1, self.weight.shape[-1])[ids][..., :self.in_features]
         return (q.float() * self.scales.view(self.n_experts, -1)[ids][..., None]).to(dtype)
 
     def expert(self, e: int, dtype: torch.dtype) -> Tensor:  # (out, in)
         return self.gathered(torch.tensor(e), dtype)
+
+
+@torch.library.custom_op("minillm_quantize::int8_experts", mutates_args=())
+def int8_experts(x: Tensor, ids: Tensor, weight: Tensor, scales: Tensor, n_experts: int) -> Tensor:
+    """x (N, k, in) float32 times the int8 expert ids[n, j] for each token slot: (N, k, out)
+    float32. Up to 16 slots of a chosen expert go through kernels.q8_linear on a view of its rows
+    (nothing gathered, nothing dequantized), more (a prompt) through its dequantized matrix. An
+    opaque op in a compiled graph: which experts a step reads is data."""
+    N, k, width = x.shape[0], x.shape[1], weight.shape[-1]
+    w, s = weight.view(n_experts, -1, width), scales.view(n_experts, -1)  # (E, out, width), (E, out)
+    flat = F.pad(x.reshape(N * k, -1), (0, width - x.shape[-1]))  # (N * k, width): zero columns to the padded width
+    slots = {}  # expert -> the slots that chose it
+    for slot, e in enumerate(ids.flatten().tolist()):
+        slots.setdefault(e, []).append(slot)
+    out = flat.new_empty(N * k, w.shape[1])
+    for e, chosen in slots.items():
+        if len(chosen) == 1:  # a decode step's slots: a view, no copy
+            out[chosen[0]:chosen[0] + 1] = kernels.q8_linear(flat[chosen[0]:chosen[0] + 1], w[e], s[e])
+        elif len(chosen) <= kernels.MAX_TOKENS:
+            out[chosen] = kernels.q8_linear(flat[chosen], w[e], s[e])
+        else:
+            out[chosen] = F.linear(flat[chosen], w[e].float() * s[e][:, None])
+    return out.view(N, k, -1)
+
+
+@int8_experts.register_fake
+def _(x, ids, weight, scales, n_experts):
+    return x.new_empty(ids.shape[0], ids.shape[1], weight.shape[0] // n_experts)
 
 
 class Int4Experts(QuantizedLayer):

@@ -42,8 +42,9 @@ import torch
 
 import checkpoint
 from engine import (MAX_LOGPROBS, BatchEngine, Need, QueueFull, Request, Sampling, StepPlan, activation_bytes, bucket,
-                    check_sampling, check_vocabulary, decode_logits, kv_cache_bytes, load_model, log, logits_bytes,
-                    meta_model, parse_device, parse_dtype, preflight, trained_context)
+                    check_longrope_batching, check_sampling, check_vocabulary, decode_logits, kv_cache_bytes,
+                    load_model, log, logits_bytes, longrope_switch, meta_model, parse_device, parse_dtype, preflight,
+                    trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
 from model import param_bytes
@@ -936,7 +937,8 @@ def main(argv=None):
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     checkpoint.require_dir(args.checkpoint)
     config = checkpoint.read_config(args.checkpoint)
-    args.max_seq_length = args.max_seq_length or min(4096, trained_context(config))
+    args.max_seq_length = args.max_seq_length or min(4096, trained_context(config), longrope_switch(config) or 4096)
+    check_longrope_batching(config, args.max_seq_length)  # before the model loads
     needs = lambda model: memory_needs(model, args, dtype)  # noqa: E731
     # before the context check, as the memory error names both flags that lower it; under torchrun
     # each rank checks its own shard as it loads

@@ -64,8 +64,9 @@ import torch
 from torch import Tensor
 
 from engine import (ONE_SEQUENCE, Engine, Generator, Request, Sampling, Stats, adjust_logits, check_cache,
-                    check_fits, common_prefix, compile_options, decode_metrics, guards_skipped, log, logits_to_probs,
-                    pick_tokens, reusable_prefix, sample_probs, token_logprobs)
+                    check_fits, common_prefix, compile_options, crosses_longrope_switch, decode_metrics,
+                    guards_skipped, log, logits_to_probs, longrope_switch, pick_tokens, reusable_prefix,
+                    sample_probs, token_logprobs)
 from errors import UserError
 from grammar import allow_tokens, apply_mask, unpack_mask_on_host
 from model import RingKVCache, Transformer, param_bytes
@@ -494,6 +495,9 @@ class SpeculativeEngine(Generator):
             if model is not None and model.ring_window is not None and self.k >= model.ring_window:
                 raise UserError(f"--speculate_k {self.k} must be smaller than the sliding window "
                                 f"({model.ring_window}): a ring KV cache cannot undo more positions")
+            if model is not None and crosses_longrope_switch(model.args, start_pos, len(prompt), max_new_tokens):
+                raise UserError(f"speculative decoding cannot cross LongRoPE's original context ({longrope_switch(model.args)} "
+                                "tokens), where every cached key is computed again: lower --max_new_tokens, or decode without it")
         row = Request(prompt, max_new_tokens, sampling, stop_ids=frozenset(stop_ids),
                       constraint=constraints[0] if constraints else None, logprobs=logprobs)
         host = host or sampling.adjusts or logprobs is not None or row.constraint is not None

@@ -21,8 +21,8 @@ import transformers  # noqa: F401 -- the oracle: a test environment without it f
 import kernels
 from conftest import random_model
 from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
-from engine import BatchEngine, Engine, Request, Sampling, load_model
-from model import CAUSAL_SDPA_MIN_TOKENS, MoEFeedForward, Transformer
+from engine import BatchEngine, Chat, Engine, Request, Sampling, load_model
+from model import CAUSAL_SDPA_MIN_TOKENS, MoEFeedForward, Transformer, param_bytes
 from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, hf_greedy, load_hf, load_ours,
                             max_diff, tokens)
 
@@ -431,3 +431,129 @@ def test_moe_speculative_greedy_is_token_identical(variant):
     spec.setup(1, 128)
     (out,), _ = spec.generate([prompt], 24, Sampling())
     assert out == plain[0]
+
+
+def test_param_bytes_counts_the_experts_a_step_reads():
+    """A batch-1 decode step reads n_experts_per_token of the n_experts experts: an 8-expert top-2
+    mixture reads what the dense model of twice an expert's width reads, plus its router; B rows
+    read at most min(n_experts, B * top-k) experts."""
+    moe, dense = tiny_moe(intermediate_size=48), random_model(intermediate_size=2 * 48)
+    router = sum(layer.feed_forward.gate.weight.nbytes for layer in moe.layers)
+    experts = sum(w.weight.nbytes for layer in moe.layers for w in layer.feed_forward.experts.values())
+    assert param_bytes(moe) == param_bytes(dense) + router
+    assert param_bytes(moe, tokens=3) == param_bytes(moe) + experts * 4 // 8
+    assert param_bytes(moe, tokens=100) == param_bytes(moe) + experts * 6 // 8
+    assert param_bytes(dense, tokens=100) == param_bytes(dense)
+
+
+# ---------------------------------------------------------------- LongRoPE's switch during generation
+
+SWITCH = 16  # original_max_position_embeddings: a 10-token prompt and 32 new tokens cross it
+PHI3_SWITCH = ("phi3", dict(num_key_value_heads=2, max_position_embeddings=192, original_max_position_embeddings=SWITCH,
+                            rope_parameters=longrope(orig=SWITCH)))
+
+
+@pytest.fixture(scope="module")
+def phi3_switch(tmp_path_factory):
+    """(transformers' model, our converted checkpoint) of a Phi-3 whose long and short factors differ."""
+    root = tmp_path_factory.mktemp("phi3_switch")
+    build_hf_model(*PHI3_SWITCH).save_pretrained(root / "hf")
+    convert_hf_checkpoint(root / "hf", root / "ours")
+    return load_hf(root / "hf"), root / "ours"
+
+
+def hf_generate(hf, prompts: list) -> tuple:
+    """transformers' greedy generate over left-padded prompts: (each row's DECODE_STEPS tokens, the
+    raw logits of every step (steps, B, V))."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS,
+                      do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, width:].tolist(), torch.stack(out.logits)
+
+
+PHI3_PROMPTS = [tokens(10, seed=5)[0].tolist(), tokens(7, seed=6)[0].tolist()]
+
+
+@pytest.mark.parametrize("rerun", [True, False], ids=["as-hf", "mistake-no-rerun"])
+@torch.inference_mode()
+def test_longrope_generation_recomputes_the_cache_at_the_switch_as_hf(phi3_switch, rerun, monkeypatch):
+    """transformers' Phi-3 generate() runs the whole sequence again once it first outgrows the
+    original context, so every cached key is rotated with the long factors from then on; so does
+    Engine.generate: the same 32 greedy tokens and logits within 1e-4, with sampling in the step
+    and on the host (logprobs), alone and in a left-padded batch (whose longest row decides).
+    Without the re-run the logits move far past the tolerance."""
+    hf, our_dir = phi3_switch
+    if not rerun:
+        monkeypatch.setattr(Engine, "needs_rerun", lambda self, pos, T: False)
+    model = load_model(our_dir)
+    logits = []
+    model.register_forward_hook(lambda module, args, out: logits.append(out[:, -1]))
+    engine = Engine(model)
+    expected, hf_logits = hf_generate(hf, PHI3_PROMPTS[:1])
+    got = generate(engine, PHI3_PROMPTS[:1], DECODE_STEPS, 64)
+    diff = max_diff(torch.stack(logits), hf_logits)  # the prefill's, then each step's
+    if not rerun:
+        assert diff > 10 * TOL, f"diff {diff:.2e} without the re-run would pass"
+        return
+    assert len(set(got[0])) > 3, "degenerate greedy output would make the comparison weak"
+    assert got == expected and diff <= TOL, (diff, got, expected)
+    engine.setup(1, 64)
+    (host,), _ = engine.generate(PHI3_PROMPTS[:1], DECODE_STEPS, Sampling(), logprobs=2)  # the host's loop
+    assert [host] == expected
+    logits.clear()
+    expected, hf_logits = hf_generate(hf, PHI3_PROMPTS)
+    assert generate(engine, PHI3_PROMPTS, DECODE_STEPS, 64) == expected
+    assert max_diff(torch.stack(logits), hf_logits) <= TOL
+
+
+def test_longrope_compiled_generation_recomputes_the_cache_as_eager(phi3_switch):
+    """The compiled decode step with the re-run in between gives eager's tokens."""
+    torch._dynamo.reset()
+    _, our_dir = phi3_switch
+    eager = generate(Engine(load_model(our_dir)), PHI3_PROMPTS[:1], DECODE_STEPS, 64)
+    assert generate(Engine(load_model(our_dir), compile=True), PHI3_PROMPTS[:1], DECODE_STEPS, 64) == eager
+
+
+def test_longrope_switch_refused_where_the_cache_is_not_recomputed(phi3_switch):
+    """Continuous batching, speculative decoding and a continued cache do not recompute the keys
+    at the switch: a cache or a generation that would cross it is refused with one line saying why;
+    Chat starts the turn from slot 0 instead."""
+    import speculative
+    from errors import UserError
+    _, our_dir = phi3_switch
+    model = load_model(our_dir)
+    with pytest.raises(UserError, match="LongRoPE") as e:
+        BatchEngine(model, max_batch_size=2, max_seq_length=SWITCH + 1)
+    assert "\n" not in str(e.value)
+    BatchEngine(model, max_batch_size=2, max_seq_length=SWITCH)
+    spec = speculative.SpeculativeEngine(Engine(model), speculative.NgramProposer(2), 4)
+    spec.setup(1, 64)
+    with pytest.raises(UserError, match="LongRoPE"):
+        spec.generate(PHI3_PROMPTS[:1], DECODE_STEPS, Sampling())
+    (out,), _ = spec.generate(PHI3_PROMPTS[:1], SWITCH - 10, Sampling())  # up to the switch: allowed
+    engine = Engine(model)
+    engine.setup(1, 64)
+    with pytest.raises(UserError, match="LongRoPE"):
+        engine.generate([PHI3_PROMPTS[0][5:]], DECODE_STEPS, Sampling(), start_pos=5)
+    chat, chars = Chat(engine, CharTokenizer()), CharTokenizer()
+    chat.reply("abcdefgh", 4, Sampling())  # 11 tokens cached, rotated short
+    (out, _) = chat.reply("ijklmn", 8, Sampling())  # 18 tokens: the turn crosses the switch
+    assert chat.last_prefill_tokens == chat.last_prompt_tokens == 18
+    ids = chars.encode(chars.apply_chat_template(chat.messages[:3]), add_bos=False)
+    assert generate(Engine(model), [ids], 8, 64) == [out]
+
+
+class CharTokenizer:
+    """What Chat asks of a tokenizer: one id per character, no template beyond concatenation."""
+    eos_ids = ()
+
+    def apply_chat_template(self, messages) -> str:
+        return "".join(m["content"] for m in messages)
+
+    def encode(self, text: str, add_bos: bool) -> list:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
