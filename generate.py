@@ -393,14 +393,16 @@ def build_engine(args, tp, device, dtype, draft_dtype, needs=None) -> Generator:
     run's other buffers, checked with the target's weights before they load (memory_needs)."""
     start = time.perf_counter()
     model = load(tp, args.checkpoint, device, dtype, needs=needs)
-    log(f"loaded {args.checkpoint} ({model.args.architecture}, {param_bytes(model) / 1e6:.0f} MB of weights "
+    size = param_bytes(model, tokens=model.args.n_experts or 1)  # every expert, not the ones a step reads
+    log(f"loaded {args.checkpoint} ({model.args.architecture}, {size / 1e6:.0f} MB of weights "
         f"in {args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
     engine = Engine(model, compile=args.compile, compile_prefill=args.compile_prefill, compile_mode=args.compile_mode)
     if args.ngram is not None:
         proposer = speculative.NgramProposer(args.ngram)
     elif args.draft_checkpoint:  # under torchrun every rank holds the whole (small) draft
         draft = load(tp, args.draft_checkpoint, device, draft_dtype, shard=False)
-        log(f"loaded draft {args.draft_checkpoint} ({param_bytes(draft) / 1e6:.0f} MB of weights "
+        size = param_bytes(draft, tokens=draft.args.n_experts or 1)
+        log(f"loaded draft {args.draft_checkpoint} ({size / 1e6:.0f} MB of weights "
             f"in {args.draft_dtype or args.dtype})")
         proposer = speculative.DraftProposer(draft, compile=args.compile, compile_mode=args.compile_mode)
     else:

@@ -950,7 +950,8 @@ def main(argv=None):
     start = time.perf_counter()
     model = (tp.all_ranks_ok(load_model, args.checkpoint, device, dtype, tp=tp, needs=needs) if tp is not None
              else load_model(args.checkpoint, device, dtype))
-    log(f"loaded {args.checkpoint} ({model.args.architecture}, {param_bytes(model) / 1e6:.0f} MB of weights in "
+    size = param_bytes(model, tokens=model.args.n_experts or 1)  # every expert, not the ones a step reads
+    log(f"loaded {args.checkpoint} ({model.args.architecture}, {size / 1e6:.0f} MB of weights in "
         f"{args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
     engine = BatchEngine(model, args.max_batch_size, args.max_seq_length, compile=args.compile,
                          compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,

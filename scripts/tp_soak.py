@@ -55,6 +55,7 @@ def main(argv=None):
     p.add_argument("--tp_mode", default="exact")
     p.add_argument("--timeout", type=float, default=300, help="seconds before a job counts as hung")
     p.add_argument("--out", type=Path, default=None, help="write the summary as JSON here")
+    p.add_argument("--stop_on_failure", action="store_true", help="stop at the first failed job")
     args = p.parse_args(argv)
     ranks = [int(r) for r in args.ranks.split(",")]
     first, failures, seconds = {}, [], []
@@ -65,16 +66,19 @@ def main(argv=None):
         ok = r.returncode == 0 and first.setdefault(n, r.stdout) == r.stdout
         if not ok:
             why = cause(r) if r.returncode != 0 else "different text"
+            # the whole stderr: faulthandler's stacks of a crashed rank come before torchrun's report
             failures.append({"job": i, "ranks": n, "cause": why, "returncode": r.returncode,
-                             "stderr_tail": (r.stderr or "")[-2000:]})
+                             "stdout": r.stdout or "", "stderr": r.stderr or ""})
             print(f"job {i} ({n} ranks): FAILED, {why}", file=sys.stderr)
+        if not ok and args.stop_on_failure:
+            break
         if (i + 1) % 10 == 0 or not ok:
             print(f"{i + 1}/{args.jobs} jobs, {len(failures)} failed, {dt:.1f} s for the last", file=sys.stderr)
-    summary = {"jobs": args.jobs, "ranks": ranks, "failed": len(failures),
+    summary = {"jobs": len(seconds), "ranks": ranks, "failed": len(failures),
                "causes": dict(Counter(f["cause"] for f in failures)), "failures": failures,
                "median_job_s": sorted(seconds)[len(seconds) // 2], "machine": platform.node(),
                "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python -m scripts.tp_soak", *(argv or sys.argv[1:])])}
-    print(f"{args.jobs} jobs over {ranks} ranks: {len(failures)} failed {summary['causes'] or ''}")
+    print(f"{len(seconds)} jobs over {ranks} ranks: {len(failures)} failed {summary['causes'] or ''}")
     if args.out:
         tmp = args.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=1) + "\n")

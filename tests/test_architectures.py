@@ -377,8 +377,8 @@ def test_moe_tp2_matches_single_process(tmp_path):
              dict(name="gpt_oss", checkpoint=str(gpt_oss), prompts=PROMPTS_B2, steps=STEPS),
              dict(name="moe-compiled", checkpoint=str(ckpt), prompts=PROMPTS_B2, steps=STEPS, compile=True)]
     results = run_worker(2, cases, tmp_path)
-    for case in cases[:3]:
-        assert_matches_single_process(case, results[case["name"]])
+    for case in cases[:3]:  # the experts' partial sums are all-reduced in every tp.py mode
+        assert_matches_single_process(case, results[case["name"]], atol=1e-4)
     from tp_worker import run_case
     reference = run_case(load_model(ckpt), PROMPTS_B2, STEPS)
     assert torch.equal(results["moe-compiled"]["tokens"], reference["tokens"])
