@@ -316,12 +316,26 @@ _QWEN2_PATTERN = (
 _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-oss, Phi-4-mini: llama.cpp's gpt-4o): case runs split words ("HelloWorld" -> "Hello",
+# "World"), a contraction stays on its word, and a punctuation run takes a following "/" with newlines
+_GPT4O_PATTERN = "|".join(
+    [
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 
 
 def _byte_level_pre_tokenizer(pre: str):
     from tokenizers import Regex, normalizers, pre_tokenizers
 
-    if pre == "smollm":  # SmolLM2's tokenizer.json: every digit alone, then the GPT-2 regex
+    # smollm: SmolLM2's tokenizer.json; refact (Granite's GGUFs): llama.cpp splits it the same way
+    if pre in ("smollm", "refact"):  # every digit alone, then the GPT-2 regex
         return None, pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Digits(individual_digits=True),
@@ -342,11 +356,18 @@ def _byte_level_pre_tokenizer(pre: str):
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    if pre in ("gpt-2", "default"):
+    if pre == "gpt-4o":
+        return None, pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_GPT4O_PATTERN), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre in ("gpt-2", "default", "olmo"):  # llama.cpp splits OLMo's "olmo" with the GPT-2 regex
         return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     raise TokenizerError(
         f"GGUF byte-level BPE tokenizer with pre-tokenizer {pre!r} is not supported "
-        "(supported: smollm, qwen2, llama-bpe, smaug-bpe, dbrx, gpt-2)"
+        "(supported: smollm, refact, qwen2, llama-bpe, smaug-bpe, dbrx, gpt-4o, gpt-2, olmo)"
     )
 
 

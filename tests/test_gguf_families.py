@@ -324,3 +324,38 @@ def test_llama3_pre_tokenizer_splits_digits_in_threes():
         pieces = [piece for piece, _ in pre_tokenizer.pre_tokenize_str("It's 1234567 cats!\n\n  ok")]
         assert normalizer is None
         assert pieces == ["It", "'s", "Ġ", "123", "456", "7", "Ġcats", "!ĊĊ", "Ġ", "Ġok"], pieces
+
+
+# tiktoken's o200k_base pat_str, written out here as the reference the gpt-4o pre-tokenizer must match
+_O200K_PAT = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+_VARIED_TEXT = (
+    "HelloWorld DON'T we'll they've I'M ok.\n/usr/bin 1234567 3.14159!!!\n\n  \t x  Привет мир "
+    "日本語テキスト नमस्ते café'S ÉCOLEdeParis (a)\r\n/ end   "
+)
+
+
+def test_gpt4o_pre_tokenizer_splits_like_o200k():
+    """gpt-oss and Phi-4-mini GGUFs name gpt-4o: o200k's regex (Oniguruma in tokenizers) splits a
+    varied text exactly where the `regex` module does, then maps the pieces' bytes like GPT-2."""
+    import regex
+
+    from tokenizer import _byte_level_pre_tokenizer
+    normalizer, pre_tokenizer = _byte_level_pre_tokenizer("gpt-4o")
+    assert normalizer is None
+    got = pre_tokenizer.pre_tokenize_str(_VARIED_TEXT)
+    reference = regex.findall(_O200K_PAT, _VARIED_TEXT)
+    assert [_VARIED_TEXT[start:end] for _, (start, end) in got] == reference
+    pieces = [piece for piece, _ in got]
+    # case runs split words, digits go in threes, a punctuation run keeps its newlines and a "/"
+    assert pieces[:2] == ["Hello", "World"] and "ĠDON'T" in pieces and ".Ċ/" in pieces
+    assert ["123", "456", "7"] == pieces[11:14] and "ĠÃīCOLEde" in pieces

@@ -155,6 +155,30 @@ def test_qwen2_pre_tokenizer_builds_a_working_tokenizer(tmp_path):
     assert tok.decode(ids) == "<|im_start|>he t 123\r\n\n é日😀<|im_end|>"
 
 
+@pytest.mark.parametrize("pre", ["gpt-4o", "refact", "olmo"])
+def test_more_pre_tokenizers_build_a_working_tokenizer(pre, tmp_path):
+    # gpt-4o (gpt-oss, Phi-4-mini), refact (Granite), olmo: a toy vocabulary round-trips mixed text
+    alphabet = _byte_level_alphabet()
+    tokens = alphabet + ["\u0120t", "he", "<|end|>"]
+    reader = _gguf_reader(
+        tmp_path,
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1] * (len(tokens) - 1) + [3],
+            "tokenizer.ggml.merges": ["\u0120 t", "h e"],
+            "tokenizer.ggml.eos_token_id": len(tokens) - 1,
+        },
+    )
+    write_tokenizer_from_gguf(reader, tmp_path / "out")
+    tok = Tokenizer(tmp_path / "out")
+    text = "he t HelloWorld DON'T 1234567 .\n/x\r\n\n é日😀 नमस्ते<|end|>"
+    ids = tok.encode(text)
+    assert ids[-1] == len(tokens) - 1 and tokens.index("he") in ids and tokens.index("\u0120t") in ids
+    assert tok.decode(ids) == text
+
+
 def test_unknown_gguf_pre_tokenizer_is_a_clear_error(tmp_path):
     reader = _gguf_reader(
         tmp_path,
