@@ -49,7 +49,8 @@ import checkpoint
 import kernels
 import tp
 from errors import QuantizeError, run_cli
-from model import Experts, through_experts
+from memory import Need, activation_bytes, check_memory, kv_cache_bytes, logits_bytes, weight_bytes
+from model import Experts, Transformer, through_experts
 
 GROUPSIZES = (32, 64, 128, 256)  # the int4 kernel handles 32 and multiples of 64
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "macbeth.txt"
@@ -838,11 +839,20 @@ def gptq_layers(model, scheme: Scheme) -> list:
             if layer_format(scheme, model.args, name).gptq and not is_experts(model.get_submodule(name))]
 
 
+def meta_model(args) -> Transformer:
+    """The model of `args` on the meta device (no memory, no random init: every weight comes from a
+    file), with a quantized checkpoint's layers."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    if args.quantization:
+        use_quantized_layers(model, args.quantization)
+    return model
+
+
 def memory_needs(model, args, scheme: Scheme, sequences: Optional[list]) -> list:
     """What quantizing allocates, from the float model built on the meta device: its weights (read in
     float32), the quantized copy, and for GPTQ a Hessian per layer (and one layer's working copies)
     and a calibration forward."""
-    from engine import Need, activation_bytes, kv_cache_bytes, logits_bytes, meta_model, weight_bytes
     f32, machine = torch.float32, "quantize on a machine with more free memory"
     quantized = meta_model(replace(model.args, quantization={"mode": args.mode, "groupsize": args.groupsize}))
     needs = [Need("the float weights", weight_bytes(model, f32), machine, f" of {args.checkpoint} in float32"),
@@ -905,8 +915,7 @@ def main(argv=None):
         from tokenizer import Tokenizer
         sequences = calibration_sequences(Tokenizer(args.checkpoint), args.calibration, args.calibration_samples,
                                           args.calibration_length)
-    import engine  # (engine imports this module)
-    engine.check_memory(memory_needs(engine.meta_model(config), args, scheme, sequences), "cpu")
+    check_memory(memory_needs(meta_model(config), args, scheme, sequences), "cpu")
     model = checkpoint.read_model(args.checkpoint)
 
     hessians = None

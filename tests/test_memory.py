@@ -10,6 +10,7 @@ import torch
 
 import checkpoint
 import engine
+import memory
 import quantize
 from conftest import ROOT, TEST_DEVICE, random_model, run_script, save_checkpoint
 from engine import Need, OutOfMemory, check_memory, kv_cache_bytes, meta_model, weight_bytes
@@ -142,7 +143,7 @@ def test_cpu_free_memory_is_meminfo_available(tmp_path, monkeypatch):
     monkeypatch.delenv("MINILLM_AVAILABLE_MEMORY", raising=False)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24684100 kB\nMemFree:         1000000 kB\nMemAvailable:    2000000 kB\n")
-    monkeypatch.setattr(engine, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
     assert engine.available_memory("cpu") == 2000000 * 1024
     monkeypatch.setenv("MINILLM_AVAILABLE_MEMORY", "1e9")  # a cap below it
     assert engine.available_memory("cpu") == 10**9
@@ -150,7 +151,7 @@ def test_cpu_free_memory_is_meminfo_available(tmp_path, monkeypatch):
     meminfo.write_text("MemTotal:       24684100 kB\n")  # an old kernel: unknown, nothing is refused
     assert engine.available_memory("cpu") is None
     check_memory([Need("the KV cache", 10**15, "lower --batch_size")], "cpu")
-    monkeypatch.setattr(engine, "MEMINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(memory, "MEMINFO", str(tmp_path / "missing"))
     assert engine.available_memory("cpu") is None
 
 
