@@ -30,8 +30,7 @@ import kernels
 import quantize
 from errors import TokenizerError, UserError
 from grammar import allow_tokens, token_masks, unpack_mask
-from memory import (MEMORY_MARGIN, Need, OutOfMemory, activation_bytes, available_memory, check_memory,  # noqa: F401
-                    dtype_name, human_bytes, kv_cache_bytes, logits_bytes, weight_bytes)
+from memory import Need, check_memory, dtype_name, kv_cache_bytes, weight_bytes
 from model import Transformer, param_bytes
 from tp import ranks_on_this_machine
 

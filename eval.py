@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import checkpoint
-from engine import (Need, activation_bytes, check_vocabulary, kv_cache_bytes, load_model, log, logits_bytes,
-                    parse_device, parse_dtype, trained_context)
+from engine import check_vocabulary, load_model, log, parse_device, parse_dtype, trained_context
 from errors import UserError, run_cli
+from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
 from tokenizer import Tokenizer
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"

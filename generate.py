@@ -27,11 +27,11 @@ import torch
 import speculative
 import checkpoint
 from checkpoint import write_json
-from engine import (MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Need, Sampling, activation_bytes,
-                    check_sampling, check_vocabulary, dtype_name, kv_cache_bytes, load_model, log, logits_bytes,
-                    meta_model, parse_device, parse_dtype, trained_context, weight_bytes)
+from engine import (MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Sampling, check_sampling, check_vocabulary,
+                    load_model, log, meta_model, parse_device, parse_dtype, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
+from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, weight_bytes
 from model import ModelArgs, param_bytes
 from tokenizer import StopStrings, Tokenizer
 from tp import MODES as TP_MODES, init_from_env

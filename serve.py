@@ -41,12 +41,12 @@ from typing import Callable, Optional
 import torch
 
 import checkpoint
-from engine import (MAX_LOGPROBS, BatchEngine, Need, QueueFull, Request, Sampling, StepPlan, activation_bytes, bucket,
-                    check_longrope_batching, check_sampling, check_vocabulary, decode_logits, kv_cache_bytes,
-                    load_model, log, logits_bytes, longrope_switch, meta_model, parse_device, parse_dtype, preflight,
-                    trained_context)
+from engine import (MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan, bucket,
+                    check_longrope_batching, check_sampling, check_vocabulary, decode_logits, load_model, log,
+                    longrope_switch, meta_model, parse_device, parse_dtype, preflight, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
+from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
 from model import param_bytes
 from tokenizer import StopStrings, Tokenizer
 from tp import MODES as TP_MODES, init_from_env

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import checkpoint
-import engine
 import memory
 import quantize
 from conftest import ROOT, TEST_DEVICE, random_model, run_script, save_checkpoint
-from engine import Need, OutOfMemory, check_memory, kv_cache_bytes, meta_model, weight_bytes
+from engine import meta_model
+from memory import Need, OutOfMemory, check_memory, kv_cache_bytes, weight_bytes
 from tp import TensorParallel, sharded_bytes
 
 FIGURES = r"would need [\d.]+ [kMGTP]?B\b.*, but [\d.]+ [kMGTP]?B is available on "
@@ -38,7 +38,7 @@ def refused(r, flag: str) -> str:
 def test_generate_refuses_a_cache_beyond_memory(smollm2_dir, flags, flag):
     args = checkpoint.read_config(smollm2_dir)
     need = kv_cache_bytes(meta_model(args), 1, 1000000, torch.float32)
-    if flags[0] == "--max_new_tokens" and need < engine.MEMORY_MARGIN * engine.available_memory(TEST_DEVICE):
+    if flags[0] == "--max_new_tokens" and need < memory.MEMORY_MARGIN * memory.available_memory(TEST_DEVICE):
         pytest.skip("a million tokens of SmolLM2's cache fit on this device")
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--no-compile", *flags, timeout=60)
     line = refused(r, flag)
@@ -144,22 +144,22 @@ def test_cpu_free_memory_is_meminfo_available(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24684100 kB\nMemFree:         1000000 kB\nMemAvailable:    2000000 kB\n")
     monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
-    assert engine.available_memory("cpu") == 2000000 * 1024
+    assert memory.available_memory("cpu") == 2000000 * 1024
     monkeypatch.setenv("MINILLM_AVAILABLE_MEMORY", "1e9")  # a cap below it
-    assert engine.available_memory("cpu") == 10**9
+    assert memory.available_memory("cpu") == 10**9
     monkeypatch.delenv("MINILLM_AVAILABLE_MEMORY")
     meminfo.write_text("MemTotal:       24684100 kB\n")  # an old kernel: unknown, nothing is refused
-    assert engine.available_memory("cpu") is None
+    assert memory.available_memory("cpu") is None
     check_memory([Need("the KV cache", 10**15, "lower --batch_size")], "cpu")
     monkeypatch.setattr(memory, "MEMINFO", str(tmp_path / "missing"))
-    assert engine.available_memory("cpu") is None
+    assert memory.available_memory("cpu") is None
 
 
 def test_cuda_free_memory_is_mem_get_info(monkeypatch):
     monkeypatch.delenv("MINILLM_AVAILABLE_MEMORY", raising=False)
     asked = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (5 * 10**9, 8 * 10**9))
-    assert engine.available_memory("cuda:1") == 5 * 10**9 and asked == [torch.device("cuda:1")]
+    assert memory.available_memory("cuda:1") == 5 * 10**9 and asked == [torch.device("cuda:1")]
     with pytest.raises(OutOfMemory, match=r"^the weights would need 6 GB, but 5 GB is available on cuda "):
         check_memory([Need("the weights", 6 * 10**9, "pass a smaller --dtype")], "cuda:1")
 
