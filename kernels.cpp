@@ -1,6 +1,7 @@
 // Hand-written CPU kernels for kernels.py, registered as the operators minillm::small_linear,
-// q8_linear, q4_linear and attend, which compiled graphs call like aten ops. AVX2 and FMA; with
-// -mavx512vnni (kernels.py builds so where the CPU has it) the integer dot products use vpdpbusd.
+// q8_linear, q4_linear, attend and stream_sum, which compiled graphs call like aten ops. AVX2 and
+// FMA; with AVX-512 and VNNI (kernels.py builds so where the CPU has them) the integer dot
+// products use vpdpbusd and a one-token float product has its own 16-lane loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -95,6 +96,49 @@ void rows(const float* x, int64_t T, int64_t K, const L& w, float* y, int64_t N)
   }
 }
 
+#ifdef __AVX512F__
+// One token (the decode step), with AVX-512: each thread walks its rows front to back, one row
+// at a time, a single sequential stream, with four accumulators per row so that the loads, not
+// the multiply-add latency, set the pace. Inductor's multiply-and-sum reaches ~30 GB/s on a
+// 4864-wide row where this reaches ~50 (docs/benchmarks.md).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+template <typename T>
+inline float dot_row(const float* x, const T* w, int64_t K) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
+    a1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+    a2 = _mm512_fmadd_ps(load16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+    a3 = _mm512_fmadd_ps(load16(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+  }
+  for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), a0);
+  if (k < K) {
+    __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+    a0 = _mm512_fmadd_ps(load16(w + k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+template <typename T>
+at::Tensor gemv(const float* x, const T* w, int64_t K, int64_t N, const at::TensorOptions& options) {
+  auto y = at::empty({1, N}, options);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) yp[n] = dot_row(x, w + n * K, K);
+  });
+  return y;
+}
+#endif
+
 template <typename L>
 at::Tensor run(const at::Tensor& x, const L& w, int64_t N) {
   auto xc = x.contiguous();
@@ -126,6 +170,14 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2, "small_linear: w must be 2-d");
   check_x(x, w.size(1));
   auto wc = w.contiguous();
+#ifdef __AVX512F__
+  if (x.size(0) == 1) {
+    auto xc = x.contiguous();
+    if (wc.scalar_type() == at::kFloat) return gemv(xc.data_ptr<float>(), wc.data_ptr<float>(), wc.size(1), wc.size(0), x.options());
+    if (wc.scalar_type() == at::kBFloat16)
+      return gemv(xc.data_ptr<float>(), wc.data_ptr<at::BFloat16>(), wc.size(1), wc.size(0), x.options());
+  }
+#endif
   if (wc.scalar_type() == at::kFloat) return run(x, F32{wc.data_ptr<float>(), wc.size(1)}, w.size(0));
   TORCH_CHECK(wc.scalar_type() == at::kBFloat16, "small_linear: weight must be float32 or bfloat16");
   return run(x, BF16{wc.data_ptr<at::BFloat16>(), wc.size(1)}, w.size(0));
@@ -482,6 +534,39 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out;
 }
 
+// ---------------------------------------------------------------- the machine's read bandwidth
+// The sum of a float32 tensor, read as `streams` interleaved sequential streams per thread, each
+// 64-byte line with two independent adds: no reduction chain in the way, so that
+// scripts/bench.py measures what the memory delivers, not what a reduction kernel does with it.
+double stream_sum(const at::Tensor& t, int64_t streams) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() % 16 == 0 && streams >= 1 && streams <= 8,
+              "stream_sum: contiguous float32, a multiple of 16 elements, 1 to 8 streams");
+  const float* p = t.data_ptr<float>();
+  int64_t lines = t.numel() / 16;
+  std::vector<double> parts(at::get_num_threads() * 8, 0.0);  // a cache line apart per thread
+  at::parallel_for(0, lines, 4096, [&](int64_t b, int64_t e) {
+    int64_t per = (e - b) / streams;
+    __m256 acc[16];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < per; ++i)
+      for (int s = 0; s < streams; ++s) {
+        const float* q = p + (b + s * per + i) * 16;
+        acc[2 * s] = _mm256_add_ps(acc[2 * s], _mm256_loadu_ps(q));
+        acc[2 * s + 1] = _mm256_add_ps(acc[2 * s + 1], _mm256_loadu_ps(q + 8));
+      }
+    for (int64_t l = b + streams * per; l < e; ++l) {  // the lines left over
+      acc[0] = _mm256_add_ps(acc[0], _mm256_loadu_ps(p + l * 16));
+      acc[1] = _mm256_add_ps(acc[1], _mm256_loadu_ps(p + l * 16 + 8));
+    }
+    __m256 total = _mm256_setzero_ps();
+    for (auto& a : acc) total = _mm256_add_ps(total, a);
+    parts[at::get_thread_num() * 8] += hsum(total);
+  });
+  double sum = 0;
+  for (double v : parts) sum += v;
+  return sum;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minillm, m) {
@@ -489,10 +574,12 @@ TORCH_LIBRARY(minillm, m) {
   m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor scales, Tensor zeros, int groupsize) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap, Tensor? rows=None) -> Tensor");
+  m.def("stream_sum(Tensor t, int streams) -> float");
 }
 TORCH_LIBRARY_IMPL(minillm, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("q8_linear", &q8_linear);
   m.impl("q4_linear", &q4_linear);
   m.impl("attend", &attend);
+  m.impl("stream_sum", &stream_sum);
 }

@@ -1,9 +1,9 @@
 """CPU fast paths, swapped into a built model by `install(model)`; model.py stays the reference
 (nn.Linear and SDPA), as quantize.py's layers are swapped in by `use_quantized_layers`.
 
-- `CpuLinear` (for every nn.Linear): a compiled one-token product as a multiply-and-sum that
-  inductor vectorizes, a compiled product of 2 to 128 tokens through `small_linear`, and bfloat16
-  prompts in float32 on a CPU without bf16 instructions.
+- `CpuLinear` (for every nn.Linear): compiled products of 1 to 128 tokens through
+  `small_linear` (one token without AVX-512: a multiply-and-sum that inductor vectorizes), and
+  bfloat16 prompts in float32 on a CPU without bf16 instructions.
 - `CpuAttention` (for model.Attention): a few queries under a mask (decode, a speculative
   verify) through `attend`, or spelled out for inductor to fuse when the kernels are not built.
 
@@ -12,13 +12,17 @@ The hand-written kernels, in kernels.cpp:
   compute-bound far below the machine's peak for such shapes, and inductor's multiply-and-sum
   keeps one accumulator per output, a serial chain of multiply-adds. This is the textbook
   register-blocked micro-kernel: two weight rows times up to six tokens, twelve AVX2
-  accumulators in registers, each weight read once per call for every token.
+  accumulators in registers, each weight read once per call for every token. One token with
+  AVX-512 (the decode step): each thread streams its rows one at a time with four 16-lane
+  accumulators, ~50 GB/s where inductor's multiply-and-sum reads a 4864-wide row at ~30.
 - `q8_linear`, `q4_linear`: quantize.py's int8 and int4 weights times 1 to 16 tokens, decode
   included. As llama.cpp does, the activations are quantized to int8 per 32 columns on the way
   in, so 32 products are two integer instructions; the float unpack-and-multiply that inductor
   generates is compute-bound.
 - `attend`: attention for a few query rows per KV head over the keys each row's mask allows,
   where inductor's code and CPU SDPA read the whole preallocated cache.
+- `stream_sum`: a tensor's sum as plain sequential reads, the bandwidth reference of
+  scripts/bench.py.
 
 kernels.cpp is compiled once per machine with torch.utils.cpp_extension (g++ is needed anyway:
 it is what inductor compiles to on CPU) and registers the operators `minillm::...`, which
@@ -84,6 +88,7 @@ def cpu_has_bf16() -> bool:
 
 
 CPU_HAS_BF16 = cpu_has_bf16()  # read once: the compiled graph sees a constant
+AVX512 = has_vnni()  # the build with AVX-512, whose one-token float product beats inductor's
 
 
 def _build() -> bool:
@@ -133,6 +138,12 @@ def small_linear(x: Tensor, w: Tensor) -> Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def stream_sum(t: Tensor, streams: int = 1) -> float:
+    """The sum of a contiguous float32 tensor (numel a multiple of 16), each thread reading its
+    part as `streams` interleaved sequential streams: scripts/bench.py's read bandwidth."""
+    return torch.ops.minillm.stream_sum(t, streams)
+
+
 def q8_linear(x: Tensor, w: Tensor, scale: Tensor) -> Tensor:
     """x (T, K) float32 times an int8 weight w (N, K), K a multiple of 32, per-row scale (N,):
     activations quantized to int8 per 32 columns on the way in."""
@@ -168,9 +179,10 @@ def materialize(x: Tensor) -> Tensor:
 class CpuLinear(nn.Linear):
     """nn.Linear with three CPU paths. Eager products of a few tokens keep BLAS: the reference
     that the compiled paths are tested against.
-    - One token, compiled (batch-1 decode): multiply-and-sum in float32. Inductor turns it into
-      one vectorized, multi-threaded reduction that streams the weight (widening bfloat16 in
-      registers) at memory bandwidth, where BLAS and oneDNN gemv do not.
+    - One token, compiled (batch-1 decode): with AVX-512, `small_linear`'s one-token loop;
+      without it, multiply-and-sum in float32, which inductor turns into one vectorized,
+      multi-threaded reduction that streams the weight (widening bfloat16 in registers) faster
+      than BLAS and oneDNN gemv, though not at memory bandwidth on long rows.
     - 2 to 128 tokens, compiled (a speculative verify, a batch of requests): `small_linear`,
       which reads each weight once for all the tokens.
     - bfloat16, more tokens (a prompt), on a CPU without bf16 instructions: in float32, since
@@ -179,7 +191,8 @@ class CpuLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.shape[:-1].numel()
         compiled_on_cpu = torch.compiler.is_compiling() and x.device.type == "cpu"
-        if compiled_on_cpu and tokens == 1:
+        if compiled_on_cpu and tokens == 1 and not (AVX512 and self.weight.dtype in (torch.float32, torch.bfloat16)
+                                                    and available()):
             x_row = materialize(x.reshape(1, -1))  # (1, in_features)
             y = (self.weight.float() * x_row.float()).sum(-1).to(x.dtype)  # (out_features,)
             y = y.view(*x.shape[:-1], -1)  # (..., out_features)

@@ -39,9 +39,10 @@ order rotates each round) so that a machine whose speed drifts over minutes favo
 the table shows the median over rounds.
 Decode tokens/s is measured after the short prompt; time to first token (TTFT: prefill plus the
 first token) for the short prompt and for a long one (the opening of Moby-Dick).
-Memory bandwidth is measured in every round (torch sum over 1 GiB of float32, 2 threads, best of
-5); "% bw" is an engine's achieved bandwidth (weight bytes x decode steps/s; ours as generate.py
-reports it) over the median measured bandwidth.
+Memory bandwidth is measured in every round over 1 GiB of float32, 2 threads, best of 5, as the
+faster of torch's sum and kernels.stream_sum (plain reads in 1-8 streams per thread); "% bw" is an
+engine's achieved bandwidth (weight bytes x decode steps/s; ours as generate.py reports it) over
+the median measured bandwidth.
 
 llama.cpp is optional: without llama-cpp-python its rows are skipped with a message. It builds
 from source (several minutes) and the CPU flags must match the machine
@@ -350,11 +351,13 @@ def print_table(summary: list, membw: list, ids: dict, args):
     widths = [max(len(str(r[i])) for r in [head] + cells) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     bws = [m["gb_s"] for m in membw if m.get("gb_s")]
+    sums = [m["gb_s_torch_sum"] for m in membw if m.get("gb_s_torch_sum")]
     print(f"\nmodel {args.checkpoint} / {args.gguf.name}; batch 1, {THREADS} threads, greedy, {args.max_new_tokens} new "
           f"tokens; prompts {len(ids['short'])} and {n_long} tokens; median of {args.rounds} round(s)")
     if bws:
-        print(f"memory bandwidth (sum over 1 GiB fp32, {THREADS} threads): median {statistics.median(bws):.1f} GB/s "
-              f"(rounds: {', '.join(f'{b:.1f}' for b in bws)})")
+        alone = f"; torch sum alone {statistics.median(sums):.1f}" if sums else ""
+        print(f"memory bandwidth (1 GiB fp32, {THREADS} threads, the faster of torch sum and kernels.stream_sum): "
+              f"median {statistics.median(bws):.1f} GB/s (rounds: {', '.join(f'{b:.1f}' for b in bws)}){alone}")
     print(line(head))
     print(line(["-" * w for w in widths]))
     for r in cells:

@@ -97,6 +97,41 @@ def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
         assert (y.double() - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_compiled_one_token_linear_takes_the_avx512_loop_where_built(monkeypatch, wdtype):
+    # the decode step's products: small_linear's one-token loop with AVX-512, else inductor's
+    # multiply-and-sum; both must give F.linear's values
+    torch.manual_seed(0)
+    lin = kernels.CpuLinear(4864, 40, bias=True).to(wdtype)  # a long row, as Qwen's down projection
+    x = torch.randn(1, 1, 4864).to(wdtype)
+    ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    with torch.inference_mode():
+        y = torch.compile(lin, fullgraph=True, backend=recording_backend)(x)
+        inductor = torch.compile(lin, fullgraph=True)(x)
+    assert any("minillm.small_linear" in g for g in graphs) == (kernels.AVX512 and kernels.available())
+    tol = 1e-4 if wdtype == torch.float32 else 0.05  # bfloat16 output: one rounding of ~8 bits
+    for got in (y, inductor):
+        assert got.shape == (1, 1, 40) and (got.double() - ref).abs().max().item() < tol
+
+
+def test_stream_sum_is_the_sum():
+    if not kernels.available():
+        pytest.fail("the kernels could not be built here")
+    g = torch.Generator().manual_seed(3)
+    for n in (16, 16 * 4097, 16 * 100003):  # lines that do not split evenly into threads and streams
+        t = torch.rand(n, generator=g)
+        for streams in (1, 2, 3, 8):
+            assert abs(kernels.stream_sum(t, streams) - t.double().sum().item()) < 1e-4 * n, (n, streams)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.stream_sum(torch.ones(17), 1)
+
+
 def test_the_other_build_of_the_integer_loops_gives_the_same_products():
     """Where the CPU has AVX-512 VNNI the kernels are built with it, so the AVX2 loops (what
     every AVX2-only machine runs) would go untested: run test_quantize.py's kernel cases once
