@@ -1,6 +1,8 @@
 """The measurements behind the kernel choices in the README, on one model's layer shapes.
 
     python -m scripts.bench_kernels --what layers    # one decode token's products, per kernel
+    python -m scripts.bench_kernels --what kinds --checkpoint checkpoints/qwen2.5-coder-0.5b
+                                                     # a decode token's time per layer kind
     python -m scripts.bench_kernels --what verify    # a compiled (k+1)-token verify vs a decode step
     python -m scripts.bench_kernels --what prefill   # where a 494-token prefill spends its time
     python -m scripts.bench_kernels --what prefill --dtype bfloat16   # the same in bfloat16
@@ -143,6 +145,47 @@ def bench_layers(model_args: ModelArgs, options):
             print(f"| {name} | {ms * model_args.n_layers:.2f} |")
 
 
+def bench_kinds(model_args: ModelArgs, options):
+    """Where a float decode token's time goes, per layer kind, over all blocks (each block's
+    weights its own tensor, so they stream from memory as in the model): the one-token product
+    as inductor's multiply-and-sum and as kernels.small_linear, and attention over a 145-token
+    context with kernels.attend."""
+    if not kernels.available():
+        raise SystemExit("error: the kernels could not be built here")
+    torch.manual_seed(0)
+    a, L = model_args, model_args.n_layers
+    kinds = dict(zip(["wqkv", "wo", "w1 (and w3)", "w2"], layer_shapes(a)))
+    kinds["w1 (and w3)"] = (2 * a.intermediate_size, a.dim)
+    kinds["output head"] = (a.vocab_size, a.dim)
+    S, ctx = 512, 145  # cache slots, tokens in the context
+    group = a.n_heads // a.n_kv_heads
+    mask = torch.full((1, 1, 1, S), float("-inf"))
+    mask[..., :ctx] = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        rows, fns = {}, {}
+        for kind, (out, inp) in kinds.items():
+            ws = [(torch.randn(out, inp) * 0.02).to(dtype) for _ in range(1 if kind == "output head" else L)]
+            x = torch.randn(1, inp)
+            rows[kind] = sum(w.numel() * w.element_size() for w in ws)
+            # one compiled function per shape (dynamo would recompile one function for each)
+            mulsum = torch.compile(lambda w, x: (w.float() * kernels.materialize(x)).sum(-1), fullgraph=True,
+                                   dynamic=False)
+            fns[(kind, "multiply-and-sum")] = lambda ws=ws, x=x, f=mulsum: [f(w, x) for w in ws]
+            fns[(kind, "small_linear")] = lambda ws=ws, x=x: [kernels.small_linear(x, w) for w in ws]
+        caches = [(torch.randn(1, a.n_kv_heads, S, a.head_dim).to(dtype), torch.randn(1, a.n_kv_heads, S, a.head_dim).to(dtype))
+                  for _ in range(L)]
+        q = torch.randn(1, a.n_kv_heads, group, a.head_dim)
+        fns[("attention", "kernels.attend")] = lambda: [kernels.attend(q, k, v, mask, a.head_dim ** -0.5) for k, v in caches]
+        with torch.inference_mode():
+            ms = timed(fns, options.rounds, 3)
+        print(f"\n{dtype} one-token decode, {L} blocks, median of {options.rounds} interleaved rounds")
+        print("| layer kind | bytes a token | multiply-and-sum, compiled: ms (GB/s) | kernels.small_linear: ms (GB/s) |\n|---|---|---|---|")
+        for kind, nbytes in rows.items():
+            cells = [f"{ms[(kind, k)]:.2f} ({nbytes / ms[(kind, k)] / 1e6:.0f})" for k in ("multiply-and-sum", "small_linear")]
+            print(f"| {kind} | {nbytes / 1e6:.0f} MB | {cells[0]} | {cells[1]} |")
+        print(f"| attention, {ctx} tokens (kernels.attend) | | | {ms[('attention', 'kernels.attend')]:.2f} |")
+
+
 def bench_verify(model, options):
     """A decode step against a (k+1)-token forward (compiled with kernels.small_linear, compiled
     with BLAS, eager); and one layer's product at several token counts: compiled
@@ -214,7 +257,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "smollm2-135m",
                    help="model whose shapes (layers) or weights (verify, prefill) are used")
-    p.add_argument("--what", choices=["layers", "verify", "prefill", "all"], default="all")
+    p.add_argument("--what", choices=["layers", "kinds", "verify", "prefill", "all"], default="all")
     p.add_argument("--speculate_k", type=int, default=8, help="verify: proposals per verify forward")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is shown")
     p.add_argument("--calls", type=int, default=20, help="layers: calls per round")
@@ -228,6 +271,8 @@ def main(argv=None):
     torch.set_num_threads(options.threads)
     if options.what in ("layers", "all"):
         bench_layers(ModelArgs.from_json(options.checkpoint / "config.json"), options)
+    if options.what in ("kinds", "all"):
+        bench_kinds(ModelArgs.from_json(options.checkpoint / "config.json"), options)
     if options.what in ("verify", "prefill", "all"):
         model = kernels.install(load_model(options.checkpoint, torch.device("cpu"), getattr(torch, options.dtype)))
         if options.what in ("verify", "all"):

@@ -1,12 +1,14 @@
 """Draw the figures of docs/ from the measured results in benchmarks/*.json.
 
-    python -m scripts.plot_bench                 # all three figures into docs/
-    python -m scripts.plot_bench --only decode   # one of: decode, speculative, quantization
+    python -m scripts.plot_bench                 # every figure into docs/
+    python -m scripts.plot_bench --only decode   # one of: decode, models, speculative, quantization
 
 Figures (each file's machine, date and commit go into the figure's caption):
   docs/decode.png        decode tokens/s per precision, ours against llama.cpp and transformers, with
                          the memory-bandwidth ceiling (weight bytes / measured bandwidth)
                          (benchmarks/decode-smollm2.json)
+  docs/models.png        float32 and bfloat16 decode tokens/s per offline model, ours against
+                         llama.cpp, with the bandwidth ceiling (benchmarks/decode-models.json)
   docs/speculative.png   speed-up over plain decoding per case, fixed k against adaptive k
                          (benchmarks/speculative.json)
   docs/quantization.png  perplexity against file size per quantization scheme
@@ -73,6 +75,37 @@ def plot_decode(out: Path):
     fig.savefig(out, dpi=120)
 
 
+def plot_models(out: Path):
+    """Each bar is decode tokens/s over the bandwidth ceiling (the run's median measured GB/s over
+    the weight bytes a token reads), so that models of every size share one linear axis; the
+    labels give the tokens/s."""
+    d = load("decode-models.json")
+    groups = [(m, p) for m in d["models"] for p in ("float32", "bfloat16") if p in m["weight_bytes"]]
+    fig, ax = plt.subplots(figsize=(10, 4.6))
+    width = 0.38
+    for j, (m, precision) in enumerate(groups):
+        bws = sorted(m["memory_bandwidth_GBps_rounds"])
+        ceiling = bws[len(bws) // 2] * 1e9 / m["weight_bytes"][precision]
+        for i, engine in enumerate(["ours", "llama.cpp"]):
+            row = next((r for r in m["rows"] if r["engine"] == engine and r["precision"] == precision), None)
+            if row is None:
+                continue
+            x, y = j + (i - 0.5) * width, row["decode_tok_s"] / ceiling
+            ax.bar(x, y, width, color=ENGINES[engine], label=engine, zorder=2)
+            ax.annotate(f"{row['decode_tok_s']:g}", (x, y), ha="center", va="bottom", fontsize=7,
+                        xytext=(0, 2), textcoords="offset points")
+    ax.axhline(1.0, color="0.3", linestyle="dashed", zorder=3, label="bandwidth ceiling")
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    ax.legend(seen.values(), seen.keys(), fontsize=8, loc="lower right")
+    ax.set_xticks(range(len(groups)), [f"{m['model'].replace('-coder', '')}\n{p}" for m, p in groups], fontsize=7)
+    ax.set_ylabel("decode speed / bandwidth ceiling")
+    ax.set_title("Decode tokens/s per model and precision (labels), batch 1, 2 threads")
+    caption(fig, d, "Ceiling: the run's median measured bandwidth over the weight bytes a token reads. ")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(out, dpi=120)
+
+
 def plot_speculative(out: Path):
     d = load("speculative.json")
     cases = d["cases"]
@@ -124,7 +157,7 @@ def plot_quantization(out: Path):
     fig.savefig(out, dpi=120)
 
 
-FIGURES = {"decode": plot_decode, "speculative": plot_speculative, "quantization": plot_quantization}
+FIGURES = {"decode": plot_decode, "models": plot_models, "speculative": plot_speculative, "quantization": plot_quantization}
 
 
 def main(argv=None):
