@@ -191,14 +191,13 @@ class CpuLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.shape[:-1].numel()
         compiled_on_cpu = torch.compiler.is_compiling() and x.device.type == "cpu"
-        if compiled_on_cpu and tokens == 1 and not (AVX512 and self.weight.dtype in (torch.float32, torch.bfloat16)
-                                                    and available()):
+        kernel_ok = self.weight.dtype in (torch.float32, torch.bfloat16) and available()
+        if compiled_on_cpu and tokens == 1 and not (AVX512 and kernel_ok):
             x_row = materialize(x.reshape(1, -1))  # (1, in_features)
             y = (self.weight.float() * x_row.float()).sum(-1).to(x.dtype)  # (out_features,)
             y = y.view(*x.shape[:-1], -1)  # (..., out_features)
             return y if self.bias is None else y + self.bias
-        if (compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS and self.weight.dtype in (torch.float32, torch.bfloat16)
-                and available()):
+        if compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS and kernel_ok:
             y = small_linear(x.float(), self.weight).to(x.dtype)  # (..., out_features)
             return y if self.bias is None else y + self.bias
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_HAS_BF16 and tokens > 1:
