@@ -56,6 +56,12 @@ On an AVX-512 CPU:
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 pip install --no-cache-dir llama-cpp-python==0.3.36
 
+Where a llama.cpp of that version is already built (its build/bin holds libllama.so and
+libggml*.so), the bindings can skip the build and load it:
+
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install --no-cache-dir llama-cpp-python==0.3.36
+    export LLAMA_CPP_LIB_PATH=/path/to/llama.cpp/build/bin
+
 The table goes to stdout, progress to stderr, every raw number to --json.
 """
 import argparse
