@@ -153,6 +153,8 @@ def bench_kinds(model_args: ModelArgs, options):
     if not kernels.available():
         raise SystemExit("error: the kernels could not be built here")
     torch.manual_seed(0)
+    # the multiply-and-sum lambdas below share one code object: one compile per shape and dtype
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     a, L = model_args, model_args.n_layers
     kinds = dict(zip(["wqkv", "wo", "w1 (and w3)", "w2"], layer_shapes(a)))
     kinds["w1 (and w3)"] = (2 * a.intermediate_size, a.dim)
