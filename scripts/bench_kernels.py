@@ -153,7 +153,8 @@ def bench_kinds(model_args: ModelArgs, options):
     if not kernels.available():
         raise SystemExit("error: the kernels could not be built here")
     torch.manual_seed(0)
-    # the multiply-and-sum lambdas below share one code object: one compile per shape and dtype
+    # dynamo caches by code object, so the multiply-and-sum lambdas below, one torch.compile per
+    # shape, share one cache: it needs an entry per layer kind and dtype
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     a, L = model_args, model_args.n_layers
     kinds = dict(zip(["wqkv", "wo", "w1 (and w3)", "w2"], layer_shapes(a)))
@@ -169,7 +170,6 @@ def bench_kinds(model_args: ModelArgs, options):
             ws = [(torch.randn(out, inp) * 0.02).to(dtype) for _ in range(1 if kind == "output head" else L)]
             x = torch.randn(1, inp)
             rows[kind] = sum(w.numel() * w.element_size() for w in ws)
-            # one compiled function per shape (dynamo would recompile one function for each)
             mulsum = torch.compile(lambda w, x: (w.float() * kernels.materialize(x)).sum(-1), fullgraph=True,
                                    dynamic=False)
             fns[(kind, "multiply-and-sum")] = lambda ws=ws, x=x, f=mulsum: [f(w, x) for w in ws]
