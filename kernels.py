@@ -1,9 +1,10 @@
 """CPU fast paths, swapped into a built model by `install(model)`; model.py stays the reference
 (nn.Linear and SDPA), as quantize.py's layers are swapped in by `use_quantized_layers`.
 
-- `CpuLinear` (for every nn.Linear): compiled products of 1 to 128 tokens through
-  `small_linear` (one token without AVX-512: a multiply-and-sum that inductor vectorizes), and
-  bfloat16 prompts in float32 on a CPU without bf16 instructions.
+- `CpuLinear` (for every nn.Linear): compiled products of a few tokens through `small_linear`
+  (one token without AVX-512: a multiply-and-sum that inductor vectorizes), more tokens through
+  oneDNN's GEMM rather than BLAS, and bfloat16 prompts in float32 on a CPU without bf16
+  instructions.
 - `CpuAttention` (for model.Attention): a few queries under a mask (decode, a speculative
   verify) through `attend`, or spelled out for inductor to fuse when the kernels are not built.
 
@@ -46,8 +47,9 @@ from torch import Tensor
 from model import Attention
 
 MAX_TOKENS = 16  # queries per attention call, and tokens per int8/int4 kernel call
-# tokens per small_linear call: it keeps pace with BLAS's packed GEMM up to here (docs/benchmarks.md)
+# tokens per small_linear call; from ONEDNN_MIN_TOKENS up, oneDNN's GEMM is faster (docs/benchmarks.md)
 LINEAR_MAX_TOKENS = 128
+ONEDNN_MIN_TOKENS = {torch.float32: 16, torch.bfloat16: 8}
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
 _state = {"built": None}
@@ -88,6 +90,9 @@ def cpu_has_bf16() -> bool:
 
 
 CPU_HAS_BF16 = cpu_has_bf16()  # read once: the compiled graph sees a constant
+# oneDNN JIT-compiles its GEMM for the CPU's widest vectors whoever made the CPU; MKL, torch's
+# float32 BLAS, runs at half of that on AMD's AVX-512 cores
+ONEDNN = torch.backends.mkldnn.is_available() and "avx2" in (cpu_flags() or set())
 AVX512 = has_vnni()  # the build with AVX-512, whose one-token float product beats inductor's
 
 
@@ -138,6 +143,35 @@ def small_linear(x: Tensor, w: Tensor) -> Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+@torch.library.custom_op("minillm_dnn::linear", mutates_args=())
+def _onednn_linear(x: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
+    # opaque to inductor, which would otherwise lower the product to BLAS (or fail to lower the
+    # oneDNN op with a weight that is not a frozen constant)
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], None)
+
+
+@_onednn_linear.register_fake
+def _(x: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def uses_onednn(x: Tensor, w: Tensor) -> bool:
+    """Whether `dense_linear` takes x (..., K) times w: on CPU, float32 from 16 tokens and
+    bfloat16 (on a CPU with bf16 instructions) from 8, where oneDNN beats small_linear and BLAS."""
+    if not ONEDNN or x.device.type != "cpu" or x.dtype != w.dtype:
+        return False
+    if x.dtype == torch.bfloat16 and not CPU_HAS_BF16:
+        return False
+    return x.dtype in ONEDNN_MIN_TOKENS and x.shape[:-1].numel() >= ONEDNN_MIN_TOKENS[x.dtype]
+
+
+def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """F.linear(x, w, bias) through oneDNN's GEMM: x (..., K), w (N, K), both float32 or both
+    bfloat16 (see `uses_onednn`); (..., N) in x's dtype, accumulated in float32."""
+    y = _onednn_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(), bias)  # (tokens, N)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
 def stream_sum(t: Tensor, streams: int = 1) -> float:
     """The sum of a contiguous float32 tensor (numel a multiple of 16), each thread reading its
     part as `streams` interleaved sequential streams: scripts/bench.py's read bandwidth."""
@@ -177,14 +211,16 @@ def materialize(x: Tensor) -> Tensor:
 
 
 class CpuLinear(nn.Linear):
-    """nn.Linear with three CPU paths. Eager products of a few tokens keep BLAS: the reference
+    """nn.Linear with four CPU paths. Eager products of a few tokens keep BLAS: the reference
     that the compiled paths are tested against.
     - One token, compiled (batch-1 decode): with AVX-512, `small_linear`'s one-token loop;
       without it, multiply-and-sum in float32, which inductor turns into one vectorized,
       multi-threaded reduction that streams the weight (widening bfloat16 in registers) faster
       than BLAS and oneDNN gemv, though not at memory bandwidth on long rows.
-    - 2 to 128 tokens, compiled (a speculative verify, a batch of requests): `small_linear`,
-      which reads each weight once for all the tokens.
+    - 16 float32 or 8 bfloat16 tokens and more (a prompt, a batch of requests, a long verify),
+      compiled or not: oneDNN's GEMM (`dense_linear`).
+    - Fewer tokens, compiled (a speculative verify, a small batch): `small_linear`, which reads
+      each weight once for all the tokens.
     - bfloat16, more tokens (a prompt), on a CPU without bf16 instructions: in float32, since
       oneDNN's bf16 GEMM there is much slower than widening the weight."""
 
@@ -197,6 +233,8 @@ class CpuLinear(nn.Linear):
             y = (self.weight.float() * x_row.float()).sum(-1).to(x.dtype)  # (out_features,)
             y = y.view(*x.shape[:-1], -1)  # (..., out_features)
             return y if self.bias is None else y + self.bias
+        if uses_onednn(x, self.weight):
+            return dense_linear(x, self.weight, self.bias)
         if compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS and kernel_ok:
             y = small_linear(x.float(), self.weight).to(x.dtype)  # (..., out_features)
             return y if self.bias is None else y + self.bias

@@ -305,7 +305,8 @@ class PackedLinear(QuantizedLayer):
       go through kernels.py's int8-activation loop, which reads the weights faster than
       inductor's fused expression.
     - CUDA, or a CPU without the kernels: one compiled token is the unpacking expression.
-    - Otherwise (longer prompts, eager CUDA) the layer dequantizes its weight for the float matmul."""
+    - Otherwise (longer prompts, eager CUDA) the layer dequantizes its weight for the float matmul
+      (on CPU, kernels.dense_linear's oneDNN GEMM)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if self.cpu_kernel_layout and x.shape[:-1].numel() <= kernels.MAX_TOKENS:
@@ -313,7 +314,8 @@ class PackedLinear(QuantizedLayer):
         elif not self.cpu_kernel_layout and compiled_matvec(x):
             y = self.matvec(kernels.materialize(padded_tokens(x, self.width)))
         else:
-            y = F.linear(x, self.dequantized(x.dtype))
+            weight = self.dequantized(x.dtype)
+            y = kernels.dense_linear(x, weight) if kernels.uses_onednn(x, weight) else F.linear(x, weight)
         y = y.to(x.dtype).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 

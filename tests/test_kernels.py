@@ -97,6 +97,37 @@ def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
         assert (y.double() - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_sized_products_take_onednn_compiled_or_not(monkeypatch, dtype):
+    # a prompt, a batch of requests: oneDNN's GEMM from 16 float32 or 8 bfloat16 tokens, in
+    # eager and compiled forwards alike; fewer tokens keep small_linear
+    torch.manual_seed(0)
+    lin = kernels.CpuLinear(96, 40, bias=True).to(dtype)
+    expected_onednn = kernels.ONEDNN and (dtype == torch.float32 or kernels.CPU_HAS_BF16)
+    calls, graphs = [], []
+    real = kernels.dense_linear
+    monkeypatch.setattr(kernels, "dense_linear", lambda *a: calls.append(1) or real(*a))
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    tol = 1e-4 if dtype == torch.float32 else 0.05  # bfloat16 output: one rounding of ~8 bits
+    for tokens in (kernels.ONEDNN_MIN_TOKENS[dtype] - 1, kernels.ONEDNN_MIN_TOKENS[dtype], 40):
+        calls.clear(), graphs.clear()
+        x = torch.randn(1, tokens, 96).to(dtype)
+        ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+        torch._dynamo.reset()
+        with torch.inference_mode():
+            eager = lin(x)
+            compiled = torch.compile(lin, fullgraph=True, backend=recording_backend)(x)
+            inductor = torch.compile(lin, fullgraph=True)(x)
+        onednn = expected_onednn and tokens >= kernels.ONEDNN_MIN_TOKENS[dtype]
+        assert (len(calls) == 3) == onednn and any("minillm_dnn.linear" in g for g in graphs) == onednn, tokens
+        for got in (eager, compiled, inductor):
+            assert got.shape == (1, tokens, 40) and (got.double() - ref).abs().max().item() < tol, tokens
+
+
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_compiled_one_token_linear_takes_the_avx512_loop_where_built(monkeypatch, wdtype):
     # the decode step's products: small_linear's one-token loop with AVX-512, else inductor's
