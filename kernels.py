@@ -50,6 +50,7 @@ MAX_TOKENS = 16  # queries per attention call, and tokens per int8/int4 kernel c
 # tokens per small_linear call; from ONEDNN_MIN_TOKENS up, oneDNN's GEMM is faster (docs/benchmarks.md)
 LINEAR_MAX_TOKENS = 128
 ONEDNN_MIN_TOKENS = {torch.float32: 16, torch.bfloat16: 8}
+PROMPT_QUERY_CHUNK = 128  # queries per SDPA call in a long prompt's attention (CpuAttention)
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
 _state = {"built": None}
@@ -248,7 +249,8 @@ class CpuAttention(Attention):
     """model.Attention with two CPU paths for up to 16 queries under a mask (decode, a verify):
     `attend`, which reads only the keys each query's mask allows; without the kernels, a
     compiled decode step spelled out, which inductor fuses into the layer's kernel where CPU
-    SDPA would cost a mostly fixed overhead per call."""
+    SDPA would cost a mostly fixed overhead per call. An eager prompt of 256 tokens or more
+    under a mask goes to SDPA in chunks of queries (`attend_in_chunks`)."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], rows: Optional[Tensor] = None) -> Tensor:
         B, n_heads, T, head_dim = q.shape
@@ -260,6 +262,8 @@ class CpuAttention(Attention):
         if T <= MAX_TOKENS and k.dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and available():
             y = attend(q_groups, k, v, mask, scale, self.softcap or 0.0, rows).to(q.dtype)
             return y.view(B, n_heads, T, head_dim)
+        if T >= 2 * PROMPT_QUERY_CHUNK and rows is None and not self.softcap and not torch.compiler.is_compiling():
+            return self.attend_in_chunks(q, k, v, mask)
         if rows is not None:  # the paths below read a batch's own rows
             k, v = k[rows], v[rows]
         if T == 1 and torch.compiler.is_compiling():
@@ -271,6 +275,20 @@ class CpuAttention(Attention):
             y = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2).to(q.dtype)  # (B, n_kv_heads, group, head_dim)
             return y.view(B, n_heads, T, head_dim)
         return super().attend(q, k, v, mask)
+
+
+    def attend_in_chunks(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """A prompt's masked attention, PROMPT_QUERY_CHUNK queries at a time over the keys up to the
+        last one any of them may see: CPU SDPA works in blocks of 512 keys and would multiply
+        every query by every key of a causal prompt shorter than that, half of them masked away."""
+        visible = (mask > float("-inf")).any(0).any(0)  # (T, S) whether any row's query t sees key s
+        out = []
+        for start in range(0, q.shape[2], PROMPT_QUERY_CHUNK):
+            stop = min(q.shape[2], start + PROMPT_QUERY_CHUNK)
+            keys = int(visible[start:stop].any(0).nonzero().max()) + 1  # a query always sees itself
+            out.append(super().attend(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys],
+                                      mask[:, :, start:stop, :keys]))  # (B, n_heads, chunk, head_dim)
+        return torch.cat(out, dim=2)
 
 
 def install(model: nn.Module) -> nn.Module:

@@ -233,6 +233,24 @@ def test_installed_model_matches_the_reference(variant, with_kernels, one_thread
         torch.testing.assert_close(step(fast, chunk, chunk_pos), ref(chunk, chunk_pos), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("variant", [dict(), dict(sliding_window=40, tie_word_embeddings=False)], ids=["global", "ring"])
+def test_long_prompt_attention_in_chunks_matches_the_reference(variant, monkeypatch):
+    # a padded batch of 300-token prompts: each chunk of queries sees only the keys up to its last
+    # query's, and no query loses a key it may see (sliding windows: the ring cache's keys too)
+    ref = random_model(max_position_embeddings=512, **variant)
+    fast = kernels.install(copy.deepcopy(ref))
+    calls = []
+    real = kernels.CpuAttention.attend_in_chunks
+    monkeypatch.setattr(kernels.CpuAttention, "attend_in_chunks", lambda *a: calls.append(1) or real(*a))
+    tokens, pad = torch.randint(0, 256, (2, 300)), torch.tensor([0, 37])
+    with torch.inference_mode():
+        for m in (ref, fast):
+            m.setup_caches(2, 320)
+        expected, got = ref(tokens, torch.arange(300), pad), fast(tokens, torch.arange(300), pad)
+    assert len(calls) == 2  # both layers
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
 def test_bench_kernels_script_help_and_missing_checkpoint(tmp_path):
     r = run_script("-m", "scripts.bench_kernels", "--help")
     assert r.returncode == 0 and "--what" in r.stdout
