@@ -123,7 +123,7 @@ def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_featu
                                                     one_thread):
     """Every path of a quantized linear. With kernels.py (CPU): up to 16 tokens, eager or compiled,
     its int8-activation loop, which equals the dequantized weight times int8_activations(x);
-    past 16 tokens, dequantize + matmul. Without it: the compiled unpacking expression for one
+    past 16 tokens, dequantize + matmul (in bfloat16 where the CPU has bf16 instructions). Without it: the compiled unpacking expression for one
     token, dequantize + matmul otherwise; that path runs on the test device."""
     assert kernels.available()
     torch._dynamo.reset()  # a compiled graph reads kernels.available() when it is traced
@@ -137,7 +137,11 @@ def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_featu
             few = x.shape[:-1].numel() <= kernels.MAX_TOKENS
             exact = F.linear(int8_activations(x) if cpp_kernel and few else x, w_hat, bias)
             got = layer(x.to(device)).cpu()
-            torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-4)
+            if cpp_kernel and not few and kernels.ONEDNN and kernels.CPU_HAS_BF16:  # a prompt: in bfloat16
+                in_bf16 = F.linear(x.bfloat16(), w_hat.bfloat16()).float() + bias
+                torch.testing.assert_close(got, in_bf16, atol=1e-2, rtol=1e-2)
+            else:
+                torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-4)
             if x.shape[:-1].numel() == 1:
                 torch.testing.assert_close(compiled(layer, x.to(device)).cpu(), exact, atol=1e-4, rtol=1e-4)
             # against unquantized activations: the int8 rounding of x costs little
@@ -235,7 +239,9 @@ def test_quantized_checkpoint_loads_and_decodes_like_eager(mode, tiny_checkpoint
         lq = model(torch.tensor([prompt]), torch.arange(40))
         lf = float_model(torch.tensor([prompt]), torch.arange(40))
     rel = ((lq - lf).norm() / lf.norm()).item()
-    assert rel < {"int8": 0.02, "int4": 0.3, "int4-gptq": 0.3}[mode], rel  # random weights: 4 bits is coarse
+    # random weights: 4 bits is coarse; int8's 40-token prompt goes through bfloat16 on a CPU with
+    # bf16 instructions (0.0204 here; it moves SmolLM2 int8's perplexity by 0.02%)
+    assert rel < {"int8": 0.025, "int4": 0.3, "int4-gptq": 0.3}[mode], rel
     eager, compiled = Engine(model), Engine(model, compile=True)
     eager.setup(1, 64)
     (a,), _ = eager.generate([prompt[:8]], 12, Sampling())
