@@ -278,16 +278,18 @@ class CpuAttention(Attention):
 
 
     def attend_in_chunks(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """A prompt's masked attention, PROMPT_QUERY_CHUNK queries at a time over the keys up to the
-        last one any of them may see: CPU SDPA works in blocks of 512 keys and would multiply
-        every query by every key of a causal prompt shorter than that, half of them masked away."""
+        """A prompt's masked attention, PROMPT_QUERY_CHUNK queries at a time over the keys from the
+        first to the last one any of them may see: CPU SDPA works in blocks of 512 keys and would
+        multiply every query by every key of a causal prompt shorter than that, half of them
+        masked away (and, behind a ring cache, by its window of slots not yet written)."""
         visible = (mask > float("-inf")).any(0).any(0)  # (T, S) whether any row's query t sees key s
         out = []
         for start in range(0, q.shape[2], PROMPT_QUERY_CHUNK):
             stop = min(q.shape[2], start + PROMPT_QUERY_CHUNK)
-            keys = int(visible[start:stop].any(0).nonzero().max()) + 1  # a query always sees itself
-            out.append(super().attend(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys],
-                                      mask[:, :, start:stop, :keys]))  # (B, n_heads, chunk, head_dim)
+            seen = visible[start:stop].any(0).nonzero()  # not empty: a query always sees itself
+            first, last = int(seen.min()), int(seen.max()) + 1  # a ring cache's empty slots lead
+            out.append(super().attend(q[:, :, start:stop], k[:, :, first:last], v[:, :, first:last],
+                                      mask[:, :, start:stop, first:last]))  # (B, n_heads, chunk, head_dim)
         return torch.cat(out, dim=2)
 
 

@@ -6,6 +6,7 @@
     python -m scripts.bench_kernels --what verify    # a compiled (k+1)-token verify vs a decode step
     python -m scripts.bench_kernels --what prefill   # where a 494-token prefill spends its time
     python -m scripts.bench_kernels --what prefill --dtype bfloat16   # the same in bfloat16
+    python -m scripts.bench_kernels --what gemm      # BLAS, oneDNN and small_linear by token count
 
 Run from the repository root. The model runs with kernels.py's CPU paths installed, as
 engine.load_model does.
@@ -254,18 +255,38 @@ def bench_prefill(model, options):
         print(f"| {name} | {t:.0f} |")
 
 
+def bench_gemm(args: ModelArgs, options):
+    """GFLOP/s of one product of T tokens by a layer's weight: BLAS (F.linear), oneDNN
+    (kernels.dense_linear, what prompts and batches take) and kernels.small_linear."""
+    dtype = getattr(torch, options.dtype)
+    shapes = {"w1": (args.intermediate_size, args.dim), "w2": (args.dim, args.intermediate_size)}
+    print(f"| {options.dtype} product | tokens | F.linear (BLAS) | oneDNN (dense_linear) | small_linear |\n|---|---|---|---|---|")
+    with torch.inference_mode():
+        for kind, (out, inp) in shapes.items():
+            w = torch.randn(out, inp).to(dtype)
+            for T in (8, 16, 32, 64, 128, 494):
+                x = torch.randn(T, inp).to(dtype)
+                fns = {"blas": lambda: F.linear(x, w), "onednn": lambda: kernels.dense_linear(x, w)}
+                if T <= kernels.LINEAR_MAX_TOKENS:
+                    fns["small"] = lambda: kernels.small_linear(x.float(), w)
+                ms = timed(fns, options.rounds, 10)
+                gflops = {k: 2 * T * out * inp / (t * 1e6) for k, t in ms.items()}
+                cells = [f"{gflops[k]:.0f}" if k in gflops else "" for k in ("blas", "onednn", "small")]
+                print(f"| {kind} {out}x{inp} | {T} | " + " | ".join(cells) + " |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "smollm2-135m",
                    help="model whose shapes (layers) or weights (verify, prefill) are used")
-    p.add_argument("--what", choices=["layers", "kinds", "verify", "prefill", "all"], default="all")
+    p.add_argument("--what", choices=["layers", "kinds", "verify", "prefill", "gemm", "all"], default="all")
     p.add_argument("--speculate_k", type=int, default=8, help="verify: proposals per verify forward")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is shown")
     p.add_argument("--calls", type=int, default=20, help="layers: calls per round")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="verify, prefill: the model's dtype")
+                   help="verify, prefill, gemm: the model's dtype")
     options = p.parse_args(argv)
     if not (options.checkpoint / "config.json").is_file():
         print(f"error: no checkpoint at {options.checkpoint} (python download.py smollm2-135m)", file=sys.stderr)
@@ -275,6 +296,8 @@ def main(argv=None):
         bench_layers(ModelArgs.from_json(options.checkpoint / "config.json"), options)
     if options.what in ("kinds", "all"):
         bench_kinds(ModelArgs.from_json(options.checkpoint / "config.json"), options)
+    if options.what in ("gemm", "all"):
+        bench_gemm(ModelArgs.from_json(options.checkpoint / "config.json"), options)
     if options.what in ("verify", "prefill", "all"):
         model = kernels.install(load_model(options.checkpoint, torch.device("cpu"), getattr(torch, options.dtype)))
         if options.what in ("verify", "all"):

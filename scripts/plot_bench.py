@@ -7,8 +7,9 @@ Figures (each file's machine, date and commit go into the figure's caption):
   docs/decode.png        decode tokens/s per precision, ours against llama.cpp and transformers, with
                          the memory-bandwidth ceiling (weight bytes / measured bandwidth)
                          (benchmarks/decode-smollm2.json)
-  docs/models.png        float32 and bfloat16 decode tokens/s per offline model, ours against
-                         llama.cpp, with the bandwidth ceiling (benchmarks/decode-models.json)
+  docs/models.png        decode tokens/s per offline model and precision, ours against llama.cpp
+                         (int8 against Q8_0, int4 against Q4_1), with the bandwidth ceiling
+                         (benchmarks/decode-models.json)
   docs/speculative.png   speed-up over plain decoding per case, fixed k against adaptive k
                          (benchmarks/speculative.json)
   docs/quantization.png  perplexity against file size per quantization scheme
@@ -80,8 +81,8 @@ def plot_models(out: Path):
     the weight bytes a token reads), so that models of every size share one linear axis; the
     labels give the tokens/s."""
     d = load("decode-models.json")
-    groups = [(m, p) for m in d["models"] for p in ("float32", "bfloat16") if p in m["weight_bytes"]]
-    fig, ax = plt.subplots(figsize=(10, 4.6))
+    groups = [(m, p) for m in d["models"] for p in ("float32", "bfloat16", "int8", "int4-g32") if p in m["weight_bytes"]]
+    fig, ax = plt.subplots(figsize=(max(10, 0.75 * len(groups)), 4.6))
     width = 0.38
     for j, (m, precision) in enumerate(groups):
         bws = sorted(m["memory_bandwidth_GBps_rounds"])
@@ -101,7 +102,7 @@ def plot_models(out: Path):
     ax.set_xticks(range(len(groups)), [f"{m['model'].replace('-coder', '')}\n{p}" for m, p in groups], fontsize=7)
     ax.set_ylabel("decode speed / bandwidth ceiling")
     ax.set_title("Decode tokens/s per model and precision (labels), batch 1, 2 threads")
-    caption(fig, d, "Ceiling: the run's median measured bandwidth over the weight bytes a token reads. ")
+    caption(fig, d, "Ceiling: the run's median measured bandwidth over the weight bytes a token of ours reads. ")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, dpi=120)
 
