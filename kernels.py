@@ -276,7 +276,6 @@ class CpuAttention(Attention):
             return y.view(B, n_heads, T, head_dim)
         return super().attend(q, k, v, mask)
 
-
     def attend_in_chunks(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """A prompt's masked attention, PROMPT_QUERY_CHUNK queries at a time over the keys from the
         first to the last one any of them may see: CPU SDPA works in blocks of 512 keys and would

@@ -314,14 +314,14 @@ class PackedLinear(QuantizedLayer):
             y = self.cpu_kernel(padded_tokens(x, self.width))  # (tokens, out) float32
         elif not self.cpu_kernel_layout and compiled_matvec(x):
             y = self.matvec(kernels.materialize(padded_tokens(x, self.width)))
-        elif self.cpu_kernel_layout and kernels.ONEDNN and kernels.CPU_HAS_BF16:
-            # a prompt in bfloat16 at twice float32's rate: x and the product rounded to 8 bits of
-            # mantissa (the kernel path rounds x coarser, to int8 blocks), the weight by at most a
-            # quarter of an int8 step
-            y = kernels.dense_linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16))
         else:
-            weight = self.dequantized(x.dtype)
-            y = kernels.dense_linear(x, weight) if kernels.uses_onednn(x, weight) else F.linear(x, weight)
+            # a CPU prompt in bfloat16 where oneDNN runs it at twice float32's rate: x and the
+            # product rounded to 8 bits of mantissa (the kernel path rounds x coarser, to int8
+            # blocks), the weight by at most a quarter of an int8 step
+            bf16 = self.cpu_kernel_layout and kernels.ONEDNN and kernels.CPU_HAS_BF16
+            x_in = x.to(torch.bfloat16) if bf16 else x
+            weight = self.dequantized(x_in.dtype)
+            y = kernels.dense_linear(x_in, weight) if kernels.uses_onednn(x_in, weight) else F.linear(x_in, weight)
         y = y.to(x.dtype).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 

@@ -18,6 +18,14 @@ import quantize
 from conftest import random_model, run_script
 
 
+def recording(graphs: list):
+    """A torch.compile backend that appends each traced graph's code to `graphs` and runs it as traced."""
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+    return backend
+
+
 def test_small_linear_is_built_on_avx2_machines():
     # the verify speed-ups in the README depend on it: a failed build must not go unnoticed
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -84,13 +92,9 @@ def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
     real = kernels.small_linear
     monkeypatch.setattr(kernels, "small_linear", lambda *a: calls.append(1) or real(*a))
 
-    def recording_backend(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
     with torch.inference_mode():
         eager = lin(x)  # eager keeps BLAS: the reference the compiled paths are tested against
-        compiled = torch.compile(lin, fullgraph=True, backend=recording_backend)(x)
+        compiled = torch.compile(lin, fullgraph=True, backend=recording(graphs))(x)
     assert len(calls) == 1 and any("minillm.small_linear" in g for g in graphs)
     for y in (eager, compiled):
         assert y.shape == (1, 5, 48)
@@ -108,10 +112,6 @@ def test_prompt_sized_products_take_onednn_compiled_or_not(monkeypatch, dtype):
     real = kernels.dense_linear
     monkeypatch.setattr(kernels, "dense_linear", lambda *a: calls.append(1) or real(*a))
 
-    def recording_backend(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
     tol = 1e-4 if dtype == torch.float32 else 0.05  # bfloat16 output: one rounding of ~8 bits
     for tokens in (kernels.ONEDNN_MIN_TOKENS[dtype] - 1, kernels.ONEDNN_MIN_TOKENS[dtype], 40):
         calls.clear(), graphs.clear()
@@ -120,7 +120,7 @@ def test_prompt_sized_products_take_onednn_compiled_or_not(monkeypatch, dtype):
         torch._dynamo.reset()
         with torch.inference_mode():
             eager = lin(x)
-            compiled = torch.compile(lin, fullgraph=True, backend=recording_backend)(x)
+            compiled = torch.compile(lin, fullgraph=True, backend=recording(graphs))(x)
             inductor = torch.compile(lin, fullgraph=True)(x)
         onednn = expected_onednn and tokens >= kernels.ONEDNN_MIN_TOKENS[dtype]
         assert (len(calls) == 3) == onednn and any("minillm_dnn.linear" in g for g in graphs) == onednn, tokens
@@ -138,12 +138,8 @@ def test_compiled_one_token_linear_takes_the_avx512_loop_where_built(monkeypatch
     ref = x.double() @ lin.weight.double().t() + lin.bias.double()
     graphs = []
 
-    def recording_backend(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
     with torch.inference_mode():
-        y = torch.compile(lin, fullgraph=True, backend=recording_backend)(x)
+        y = torch.compile(lin, fullgraph=True, backend=recording(graphs))(x)
         inductor = torch.compile(lin, fullgraph=True)(x)
     assert any("minillm.small_linear" in g for g in graphs) == (kernels.AVX512 and kernels.available())
     tol = 1e-4 if wdtype == torch.float32 else 0.05  # bfloat16 output: one rounding of ~8 bits
