@@ -289,16 +289,17 @@ def test_unpack_mask_reads_bit_t_mod_32_of_word_t_div_32():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_mask_in_the_step_equals_masking_on_the_host(smol, compiled):
     """Grammars alone are applied inside the decode step; with host=True the same masks are applied
-    to the logits on the host (pick_tokens): the same tokens, a row without a grammar included."""
+    to the logits on the host (pick_tokens): the same tokens, a row without a grammar included.
+    The host side runs eager (its compiled step is the plain one, which other tests compile)."""
     model, tok, grammars = smol
-    engine = Engine(model, compile=compiled)
-    engine.jump_forward = False
     prompts = [chat(tok, "A person as JSON."), chat(tok, "Count to five."), chat(tok, "Pick a code.")]
-    engine.setup(3, max(map(len, prompts)) + 40)
     schema = grammars.compile("json_schema", SCHEMAS[0])
     code = grammars.compile("regex", r"[A-Z]{3}-[0-9]{3}")
     outs = {}
     for host in (False, True):
+        engine = Engine(model, compile=compiled and not host)
+        engine.jump_forward = False
+        engine.setup(3, max(map(len, prompts)) + 40)
         constraints = [grammars.constraint(schema), None, grammars.constraint(code)]
         outs[host], _ = engine.generate(prompts, 40, Sampling(), tok.eos_ids, constraints=constraints, host=host)
     assert outs[False] == outs[True]
