@@ -212,12 +212,14 @@ def materialize(x: Tensor) -> Tensor:
 
 
 class CpuLinear(nn.Linear):
-    """nn.Linear with four CPU paths. Eager products of a few tokens keep BLAS: the reference
+    """nn.Linear with four CPU paths. Eager products of 2 to 15 tokens keep BLAS: the reference
     that the compiled paths are tested against.
-    - One token, compiled (batch-1 decode): with AVX-512, `small_linear`'s one-token loop;
-      without it, multiply-and-sum in float32, which inductor turns into one vectorized,
-      multi-threaded reduction that streams the weight (widening bfloat16 in registers) faster
-      than BLAS and oneDNN gemv, though not at memory bandwidth on long rows.
+    - One token (batch-1 decode, a prompt's last layer and output head): with AVX-512,
+      `small_linear`'s one-token loop, compiled or not (BLAS's gemv streams the 151936-row head
+      at a third of the bandwidth); compiled without AVX-512, multiply-and-sum in float32, which
+      inductor turns into one vectorized, multi-threaded reduction that streams the weight
+      (widening bfloat16 in registers) faster than BLAS and oneDNN gemv, though not at memory
+      bandwidth on long rows.
     - 16 float32 or 8 bfloat16 tokens and more (a prompt, a batch of requests, a long verify),
       compiled or not: oneDNN's GEMM (`dense_linear`).
     - Fewer tokens, compiled (a speculative verify, a small batch): `small_linear`, which reads
@@ -236,7 +238,8 @@ class CpuLinear(nn.Linear):
             return y if self.bias is None else y + self.bias
         if uses_onednn(x, self.weight):
             return dense_linear(x, self.weight, self.bias)
-        if compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS and kernel_ok:
+        one_token_loop = tokens == 1 and AVX512 and x.device.type == "cpu"  # BLAS gemv: 17-28 GB/s
+        if kernel_ok and (one_token_loop or (compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS)):
             y = small_linear(x.float(), self.weight).to(x.dtype)  # (..., out_features)
             return y if self.bias is None else y + self.bias
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_HAS_BF16 and tokens > 1:
@@ -262,7 +265,8 @@ class CpuAttention(Attention):
         if T <= MAX_TOKENS and k.dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and available():
             y = attend(q_groups, k, v, mask, scale, self.softcap or 0.0, rows).to(q.dtype)
             return y.view(B, n_heads, T, head_dim)
-        if T >= 2 * PROMPT_QUERY_CHUNK and rows is None and not self.softcap and not torch.compiler.is_compiling():
+        if T >= 2 * PROMPT_QUERY_CHUNK and rows is None and not torch.compiler.is_compiling() and (
+                ONEDNN or not self.softcap):
             return self.attend_in_chunks(q, k, v, mask)
         if rows is not None:  # the paths below read a batch's own rows
             k, v = k[rows], v[rows]
@@ -280,16 +284,42 @@ class CpuAttention(Attention):
         """A prompt's masked attention, PROMPT_QUERY_CHUNK queries at a time over the keys from the
         first to the last one any of them may see: CPU SDPA works in blocks of 512 keys and would
         multiply every query by every key of a causal prompt shorter than that, half of them
-        masked away (and, behind a ring cache, by its window of slots not yet written)."""
+        masked away (and, behind a ring cache, by its window of slots not yet written). With
+        oneDNN, each chunk is two of its float32 GEMMs (`chunk_attention`)."""
         visible = (mask > float("-inf")).any(0).any(0)  # (T, S) whether any row's query t sees key s
         out = []
         for start in range(0, q.shape[2], PROMPT_QUERY_CHUNK):
             stop = min(q.shape[2], start + PROMPT_QUERY_CHUNK)
             seen = visible[start:stop].any(0).nonzero()  # not empty: a query always sees itself
             first, last = int(seen.min()), int(seen.max()) + 1  # a ring cache's empty slots lead
-            out.append(super().attend(q[:, :, start:stop], k[:, :, first:last], v[:, :, first:last],
-                                      mask[:, :, start:stop, first:last]))  # (B, n_heads, chunk, head_dim)
+            args = (q[:, :, start:stop], k[:, :, first:last], v[:, :, first:last], mask[:, :, start:stop, first:last])
+            if ONEDNN:
+                scale = self.scale or q.shape[-1] ** -0.5
+                out.append(chunk_attention(*args, scale, self.softcap or 0.0).to(q.dtype))
+            else:
+                out.append(super().attend(*args))  # (B, n_heads, chunk, head_dim)
         return torch.cat(out, dim=2)
+
+
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float = 0.0) -> Tensor:
+    """softmax(scale * q k^T (soft-capped when softcap > 0) + mask) v in float32, each KV head's
+    query group at once through oneDNN's GEMM: q (B, n_heads, T, D), k and v (B, n_kv_heads, S, D),
+    mask (B, 1, T, S). CPU SDPA's own products run on BLAS, at half oneDNN's speed here, and in
+    bfloat16 no faster. Returns (B, n_heads, T, D) float32."""
+    B, nh, T, D = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    group = nh // nkv
+    q = (q.float() * scale).reshape(B, nkv, group * T, D)
+    k, v_t = k.float(), v.float().transpose(-2, -1)  # v_t (B, n_kv_heads, D, S): the GEMM's weight
+    y = q.new_empty(B, nkv, group * T, D)
+    for b in range(B):
+        for h in range(nkv):
+            scores = _onednn_linear(q[b, h], k[b, h].contiguous(), None).view(group, T, S)
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            probs = torch.softmax(scores + mask[b].float(), dim=-1)  # (group, T, S)
+            y[b, h] = _onednn_linear(probs.view(group * T, S), v_t[b, h].contiguous(), None)
+    return y.view(B, nh, T, D)
 
 
 def install(model: nn.Module) -> nn.Module:

@@ -129,21 +129,26 @@ def test_prompt_sized_products_take_onednn_compiled_or_not(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_compiled_one_token_linear_takes_the_avx512_loop_where_built(monkeypatch, wdtype):
-    # the decode step's products: small_linear's one-token loop with AVX-512, else inductor's
-    # multiply-and-sum; both must give F.linear's values
+def test_one_token_linear_takes_the_avx512_loop_where_built(monkeypatch, wdtype):
+    # the decode step's products and a prompt's output head: small_linear's one-token loop with
+    # AVX-512, compiled or not; else inductor's multiply-and-sum, or BLAS in eager; all must
+    # give F.linear's values
     torch.manual_seed(0)
     lin = kernels.CpuLinear(4864, 40, bias=True).to(wdtype)  # a long row, as Qwen's down projection
     x = torch.randn(1, 1, 4864).to(wdtype)
     ref = x.double() @ lin.weight.double().t() + lin.bias.double()
-    graphs = []
+    graphs, calls = [], []
+    real = kernels.small_linear
+    monkeypatch.setattr(kernels, "small_linear", lambda *a: calls.append(1) or real(*a))
 
     with torch.inference_mode():
+        eager = lin(x)
         y = torch.compile(lin, fullgraph=True, backend=recording(graphs))(x)
         inductor = torch.compile(lin, fullgraph=True)(x)
-    assert any("minillm.small_linear" in g for g in graphs) == (kernels.AVX512 and kernels.available())
+    loop = kernels.AVX512 and kernels.available()
+    assert any("minillm.small_linear" in g for g in graphs) == loop and (len(calls) == 3) == loop
     tol = 1e-4 if wdtype == torch.float32 else 0.05  # bfloat16 output: one rounding of ~8 bits
-    for got in (y, inductor):
+    for got in (eager, y, inductor):
         assert got.shape == (1, 1, 40) and (got.double() - ref).abs().max().item() < tol
 
 
@@ -229,21 +234,26 @@ def test_installed_model_matches_the_reference(variant, with_kernels, one_thread
         torch.testing.assert_close(step(fast, chunk, chunk_pos), ref(chunk, chunk_pos), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(sliding_window=40, tie_word_embeddings=False)], ids=["global", "ring"])
+@pytest.mark.parametrize("variant", [dict(), dict(sliding_window=40, tie_word_embeddings=False),
+                                     dict(attn_logit_softcapping=5.0)], ids=["global", "ring", "softcap"])
 def test_long_prompt_attention_in_chunks_matches_the_reference(variant, monkeypatch):
     # a padded batch of 300-token prompts: each chunk of queries sees only the keys up to its last
-    # query's, and no query loses a key it may see (sliding windows: the ring cache's keys too)
+    # query's, and no query loses a key it may see (sliding windows: the ring cache's keys too);
+    # with oneDNN each chunk is its GEMMs, soft-capped scores included
     ref = random_model(max_position_embeddings=512, **variant)
     fast = kernels.install(copy.deepcopy(ref))
-    calls = []
-    real = kernels.CpuAttention.attend_in_chunks
+    calls, gemm_calls = [], []
+    real, real_gemms = kernels.CpuAttention.attend_in_chunks, kernels.chunk_attention
     monkeypatch.setattr(kernels.CpuAttention, "attend_in_chunks", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "chunk_attention", lambda *a: gemm_calls.append(1) or real_gemms(*a))
     tokens, pad = torch.randint(0, 256, (2, 300)), torch.tensor([0, 37])
     with torch.inference_mode():
         for m in (ref, fast):
             m.setup_caches(2, 320)
         expected, got = ref(tokens, torch.arange(300), pad), fast(tokens, torch.arange(300), pad)
-    assert len(calls) == 2  # both layers
+    chunked = kernels.ONEDNN or "attn_logit_softcapping" not in variant  # SDPA cannot soft-cap
+    assert len(calls) == (2 if chunked else 0)  # both layers
+    assert len(gemm_calls) == (2 * 3 if kernels.ONEDNN else 0)  # 3 chunks of queries per layer
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
