@@ -1,12 +1,14 @@
 """CPU fast paths, swapped into a built model by `install(model)`; model.py stays the reference
 (nn.Linear and SDPA), as quantize.py's layers are swapped in by `use_quantized_layers`.
 
-- `CpuLinear` (for every nn.Linear): compiled products of a few tokens through `small_linear`
-  (one token without AVX-512: a multiply-and-sum that inductor vectorizes), more tokens through
+- `CpuLinear` (for every nn.Linear): one token through `small_linear`'s AVX-512 loop, compiled
+  products of a few tokens through `small_linear` (one token without AVX-512: a multiply-and-sum
+  that inductor vectorizes), more tokens through
   oneDNN's GEMM rather than BLAS, and bfloat16 prompts in float32 on a CPU without bf16
   instructions.
 - `CpuAttention` (for model.Attention): a few queries under a mask (decode, a speculative
-  verify) through `attend`, or spelled out for inductor to fuse when the kernels are not built.
+  verify) through `attend`, or spelled out for inductor to fuse when the kernels are not built;
+  a long prompt in chunks of queries, each two oneDNN GEMMs (`chunk_attention`).
 
 The hand-written kernels, in kernels.cpp:
 - `small_linear`: float32 or bfloat16 weights times 2 to 128 tokens. BLAS's small-M GEMM is
@@ -253,7 +255,7 @@ class CpuAttention(Attention):
     `attend`, which reads only the keys each query's mask allows; without the kernels, a
     compiled decode step spelled out, which inductor fuses into the layer's kernel where CPU
     SDPA would cost a mostly fixed overhead per call. An eager prompt of 256 tokens or more
-    under a mask goes to SDPA in chunks of queries (`attend_in_chunks`)."""
+    under a mask is taken in chunks of queries (`attend_in_chunks`)."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], rows: Optional[Tensor] = None) -> Tensor:
         B, n_heads, T, head_dim = q.shape
