@@ -3,9 +3,8 @@
 
 - `CpuLinear` (for every nn.Linear): one token through `small_linear`'s AVX-512 loop, compiled
   products of a few tokens through `small_linear` (one token without AVX-512: a multiply-and-sum
-  that inductor vectorizes), more tokens through
-  oneDNN's GEMM rather than BLAS, and bfloat16 prompts in float32 on a CPU without bf16
-  instructions.
+  that inductor vectorizes), more tokens through oneDNN's GEMM rather than BLAS, and bfloat16
+  prompts in float32 on a CPU without bf16 instructions.
 - `CpuAttention` (for model.Attention): a few queries under a mask (decode, a speculative
   verify) through `attend`, or spelled out for inductor to fuse when the kernels are not built;
   a long prompt in chunks of queries, each two oneDNN GEMMs (`chunk_attention`).
