@@ -14,13 +14,14 @@ setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first, so that nothing below resolves it to a multi-GB CUDA build
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -r requirements.txt
+	# torch first, so that nothing below resolves it to a multi-GB CUDA build; no wheel cache: a
+	# fresh machine would only keep a second copy of every package on its disk
+	$(BIN)/pip install -q --no-cache-dir $(TORCH)
+	$(BIN)/pip install -q --no-cache-dir -r requirements.txt
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
-	$(BIN)/pip install -q -r requirements-test.txt
+	$(BIN)/pip install -q --no-cache-dir -r requirements-test.txt
 	touch $@
 
 $(MODEL)/config.json: $(VENV)/.installed
