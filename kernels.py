@@ -47,7 +47,7 @@ from torch import Tensor
 
 from model import Attention
 
-MAX_TOKENS = 16  # queries per attention call, and tokens per int8/int4 kernel call
+MAX_TOKENS = 16  # queries per attention call; a batch step of a quantized model fuses this many rows
 # tokens per small_linear call; from ONEDNN_MIN_TOKENS up, oneDNN's GEMM is faster (docs/benchmarks.md)
 LINEAR_MAX_TOKENS = 128
 ONEDNN_MIN_TOKENS = {torch.float32: 16, torch.bfloat16: 8}

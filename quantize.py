@@ -275,6 +275,11 @@ def compiled_matvec(x: Tensor) -> bool:
     return torch.compiler.is_compiling() and x.shape[:-1].numel() == 1
 
 
+# Up to this many tokens (decode, a verify, a short prompt, a batch step) a quantized product goes
+# through the integer loops: dequantizing every weight to bfloat16 costs more below it (docs/design.md)
+LOOP_MAX_TOKENS = 64
+
+
 def padded_tokens(x: Tensor, width: int) -> Tensor:
     """x (..., in) -> float32 (tokens, width), zero columns appended to the packed width."""
     return F.pad(x.reshape(-1, x.shape[-1]).float(), (0, width - x.shape[-1]))
@@ -301,7 +306,7 @@ class PackedLinear(QuantizedLayer):
     A subclass's pack() sets `cpu_kernel_layout` and `width` (the padded input width), and it
     gives `cpu_kernel` (kernels.py, CPU), `matvec` (the unpacking expression for one compiled
     token, lanes layout) and `dequantized` (everything else).
-    - CPU with kernels.py: up to 16 tokens (decode, a verify, a short prompt), compiled or not,
+    - CPU with kernels.py: up to 64 tokens (decode, a verify, a short prompt), compiled or not,
       go through kernels.py's int8-activation loop, which reads the weights faster than
       inductor's fused expression.
     - CUDA, or a CPU without the kernels: one compiled token is the unpacking expression.
@@ -310,7 +315,7 @@ class PackedLinear(QuantizedLayer):
       the float32 GEMM's rate."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.cpu_kernel_layout and x.shape[:-1].numel() <= kernels.MAX_TOKENS:
+        if self.cpu_kernel_layout and x.shape[:-1].numel() <= LOOP_MAX_TOKENS:
             y = self.cpu_kernel(padded_tokens(x, self.width))  # (tokens, out) float32
         elif not self.cpu_kernel_layout and compiled_matvec(x):
             y = self.matvec(kernels.materialize(padded_tokens(x, self.width)))
