@@ -240,9 +240,9 @@ def test_quantized_checkpoint_loads_and_decodes_like_eager(mode, tiny_checkpoint
         lq = model(torch.tensor([prompt]), torch.arange(40))
         lf = float_model(torch.tensor([prompt]), torch.arange(40))
     rel = ((lq - lf).norm() / lf.norm()).item()
-    # random weights: 4 bits is coarse; int8's 40-token prompt goes through bfloat16 on a CPU with
-    # bf16 instructions (0.0204 here; it moves SmolLM2 int8's perplexity by 0.02%)
-    assert rel < {"int8": 0.025, "int4": 0.3, "int4-gptq": 0.3}[mode], rel
+    # random weights: 4 bits is coarse; int8's 40-token prompt takes the integer loops, which round
+    # the activations to int8 per 32 columns too (0.0250 here)
+    assert rel < {"int8": 0.03, "int4": 0.3, "int4-gptq": 0.3}[mode], rel
     eager, compiled = Engine(model), Engine(model, compile=True)
     eager.setup(1, 64)
     (a,), _ = eager.generate([prompt[:8]], 12, Sampling())
