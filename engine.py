@@ -439,10 +439,14 @@ def check_longrope_batching(args, max_seq_length: int):
 
 
 def common_prefix(a: list, b: list) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    lo, hi = 0, min(len(a), len(b))  # slices compare in C: a binary search over their length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def reusable_prefix(cached: list, ids: list, ring_window: Optional[int]) -> int:
@@ -801,6 +805,7 @@ class Request:
     error: Optional[str] = None
     cached_tokens: int = 0  # leading prompt tokens whose keys and values a previous request left
     slot: Optional[int] = None
+    admitted: int = 0  # its place in the order the engine gave out slots
     fed: int = 0  # tokens of prompt + out in the cache so far
     cancelled: bool = False  # set from any thread: the engine ends the request at its next step
     generator: Optional[torch.Generator] = None
@@ -856,6 +861,10 @@ class StepPlan:
     decode: list = field(default_factory=list)  # (cache row, token id, position)
     fused: list = field(default_factory=list)  # (cache row, [token ids], start position)
     prefill: list = field(default_factory=list)  # (cache row, [token ids], start position)
+    copies: list = field(default_factory=list)  # (from cache row, to cache row, start, end): done first
+
+
+MIN_SHARED = 16  # tokens: a shorter common beginning with another cache row is computed, not copied
 
 
 def bucket(n: int, limit: int, smallest: int = 128) -> int:
@@ -902,14 +911,16 @@ class BatchEngine:
         self.model, self.device = model, model.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.prefill_chunk, self.max_waiting, self.prefix_reuse = prefill_chunk, max_waiting, prefix_reuse
-        check_cache(model, max_batch_size + 1, max_seq_length)
-        model.setup_caches(max_batch_size + 1, max_seq_length)  # the last row: padding rows write there
+        # the last row: padding rows write there; one position more than a step attends over, since
+        # a step over the whole cache would compile a graph of its own
+        check_cache(model, max_batch_size + 1, max_seq_length + 1)
+        model.setup_caches(max_batch_size + 1, max_seq_length + 1)
         self.scratch_row = max_batch_size
         self.slots = [Slot() for _ in range(max_batch_size)]
         self.waiting: collections.deque = collections.deque()
         self.lock = threading.Lock()
         self.wakeup = threading.Event()  # set by submit and cancel
-        self.steps = 0
+        self.steps = self.admissions = 0
         self.counters = {"prompt_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                          "requests_finished": 0}
         self.decode = decode_logits
@@ -967,7 +978,7 @@ class BatchEngine:
         self.steps += 1
         self._admit()
         plan = self._plan()
-        if not plan.decode and not plan.fused and not plan.prefill:
+        if not plan.decode and not plan.fused and not plan.prefill and not plan.copies:
             return False
         if self.broadcast is not None:
             self.broadcast(plan)
@@ -975,7 +986,8 @@ class BatchEngine:
             decoded, prefilled = self.run(plan)
         except Exception as e:  # a fault in the forward pass ends the requests in it, not the engine
             log(f"engine: step failed ({type(e).__name__}: {e})")
-            for row in {r for r, *_ in plan.decode + plan.fused + plan.prefill if r != self.scratch_row}:
+            rows = [r for r, *_ in plan.decode + plan.fused + plan.prefill] + [d for _, d, *_ in plan.copies]
+            for row in {r for r in rows if r != self.scratch_row}:
                 self.slots[row].cached = []  # the row's keys and values may be half written
                 self._finish(self.slots[row].request, "error", f"{type(e).__name__}: {e}")
             return True
@@ -987,6 +999,8 @@ class BatchEngine:
         logits (B, V), first the decoding rows', and each fused and prefill chunk's last logits (V,)."""
         device, decoded = self.device, None
         prefilled = []
+        for src, dst, start, end in plan.copies:
+            self.model.copy_cache(src, dst, start, end)
         if plan.decode or plan.fused:
             rows = list(plan.decode)
             keep = list(range(len(rows)))  # the rows whose logits are wanted: decoding ones, chunks' last
@@ -1033,6 +1047,8 @@ class BatchEngine:
                 slot = self.slots[i]
                 slot.request, slot.cached = req, slot.cached[:keep]
                 req.slot, req.fed, req.cached_tokens = i, keep, keep
+                self.admissions += 1
+                req.admitted = self.admissions
                 self.counters["prompt_tokens"] += len(req.prompt)
                 self.counters["cached_tokens"] += keep
                 if req.constraint is not None and self.jump_forward:  # what the grammar forces first is
@@ -1051,17 +1067,23 @@ class BatchEngine:
                 plan.decode.append((i, req.out[-1], req.fed))
             else:
                 prefilling.append(req)
+        share = self.prefix_reuse and not self.model.ring_window
         budget = self.prefill_chunk
         # prompt rows beside the decoding ones: the spare rows of a 16-row step, as many as there
         # are decoding rows (a stream's step about twice as long while a prompt arrives), or 8 per
         # waiting prompt (a queue of them is taken in at once), whichever is most
         D = len(plan.decode)
         room = min(self.fused_rows - D, max(kernels.MAX_TOKENS - D, D, 8 * len(prefilling))) if D else 0
-        for req in sorted(prefilling, key=lambda r: self.slots[r.slot].last_used):  # first come, first served
-            pending = req.prompt[req.fed:] + req.out[max(0, req.fed - len(req.prompt)):]
+        order = sorted(prefilling, key=lambda r: (self.slots[r.slot].last_used, r.admitted))  # first come, first served
+        for k, req in enumerate(order):
+            known = req.prompt + req.out if req.out else req.prompt
+            start = self._share(plan, req, known, order[:k]) if share else req.fed
+            if start is None:
+                continue  # an earlier request is computing the beginning they share: copied when done
+            pending = known[start:]
             if room > 0:  # ride in the decode step
                 n = min(room, len(pending))
-                plan.fused.append((req.slot, pending[:n], req.fed))
+                plan.fused.append((req.slot, pending[:n], start))
                 room -= n
                 continue
             if plan.fused:
@@ -1070,11 +1092,42 @@ class BatchEngine:
             n = min(self.prefill_chunk, len(pending))
             if n > budget and plan.prefill:
                 break
-            plan.prefill.append((req.slot, pending[:n], req.fed))
+            plan.prefill.append((req.slot, pending[:n], start))
             budget -= n
         return plan
 
+    def _share(self, plan: StepPlan, req: Request, known: list, ahead: list) -> Optional[int]:
+        """Where a prompt's feeding starts this step: past the longest beginning that another cache
+        row holds (busy or free), copied into its own row first; None while a request ahead of it
+        is still computing a beginning they share (requests that arrive together with one system
+        prompt compute it once)."""
+        start = req.fed
+        if len(known) - 1 - start < MIN_SHARED:
+            return start
+        probe = known[:start + MIN_SHARED]  # a row must hold at least this to be worth a copy
+
+        def shared(ids: list) -> int:
+            return min(common_prefix(ids, known), len(known) - 1) if ids[:len(probe)] == probe else 0
+
+        best, src = start, None
+        for j, slot in enumerate(self.slots):
+            if j != req.slot and (n := shared(slot.cached)) > best:
+                best, src = n, j
+        if any(best < n and other.fed < n and n - start >= MIN_SHARED for other in ahead
+               for n in [shared(other.prompt)]):
+            return None
+        if src is None or best - start < MIN_SHARED:
+            return start
+        plan.copies.append((src, req.slot, start, best))
+        return best
+
     def _commit(self, plan: StepPlan, decoded: Optional[Tensor], prefilled: list):
+        for src, dst, start, end in plan.copies:
+            req = self.slots[dst].request
+            self.slots[dst].cached.extend(self.slots[src].cached[start:end])
+            req.fed += end - start
+            req.cached_tokens += end - start
+            self.counters["cached_tokens"] += end - start
         ready = []  # (request, its logits)
         if plan.decode:
             for b, (row, token, _) in enumerate(plan.decode):

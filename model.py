@@ -619,6 +619,14 @@ class Transformer(nn.Module):
             a.kv_cache = cache(max_batch_size, a.n_kv_heads, window if ring else max_seq_length, a.head_dim,
                                dtype, device)
 
+    def copy_cache(self, src: int, dst: int, start: int, end: int):
+        """Positions [start, end) of cache row dst from row src: a beginning that another request
+        computed (not for ring caches, whose slots are not positions)."""
+        for layer in self.layers:
+            c = layer.attention.kv_cache
+            c.k_cache[dst, :, start:end] = c.k_cache[src, :, start:end]
+            c.v_cache[dst, :, start:end] = c.v_cache[src, :, start:end]
+
     def rope(self, positions: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
         """cos, sin of shape (B, 1, T, head_dim/2) for RoPE positions (B, T); local: the
         sliding layers' own unscaled base (rope_local_theta)."""

@@ -41,7 +41,8 @@ from typing import Callable, Optional
 import torch
 
 import checkpoint
-from engine import (MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan, bucket,
+import kernels
+from engine import (MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan,
                     check_longrope_batching, check_sampling, check_vocabulary, decode_logits, load_model, log,
                     longrope_switch, meta_model, parse_device, parse_dtype, preflight, trained_context)
 from errors import UserError, run_cli
@@ -905,23 +906,29 @@ def check_context(args, config):
 def warm_up(engine: BatchEngine):
     """Compile the decode step before serving: runs on the scratch row, for two batch sizes (one
     with prompt rows, which need no logits) and two cache lengths, so that the compiled graph is
-    general in all three before the first request; then for the whole cache, which compiles apart
-    (a request reaching it would otherwise wait for the compiler)."""
+    general in all three before the first request; then for steps of as many rows, and as many
+    logits, as make the float products change kernels (kernels.ONEDNN_MIN_TOKENS), which compile
+    apart (a request would otherwise wait for the compiler in the middle of serving)."""
     if engine.decode is decode_logits:  # not compiled
         return
     start = time.perf_counter()
     log("compiling the decode step (a minute or more the first time, cached on disk afterwards)...")
-    row, plans = engine.scratch_row, []
-    last = engine.max_seq_length - 3
-    steps = [(engine.min_rows, 0), (engine.min_rows + 1, 0), (engine.min_rows + 1, min(200, last))]
-    if bucket(min(200, last) + 2, engine.max_seq_length) < engine.max_seq_length:
-        steps.append((engine.min_rows + 1, last))
-    for rows, pos in steps:
-        plan = StepPlan(decode=[(row, 0, pos)] * min(rows, engine.max_batch_size + 1))
-        if rows > engine.min_rows and engine.fused_rows:  # a prompt chunk of two tokens: one more logit-less row
-            plan.decode.pop()
-            plan.fused.append((row, [0, 0], pos))
-        plans.append(plan)
+    row, B, fused = engine.scratch_row, engine.max_batch_size, engine.fused_rows
+
+    def step(decoding: int, prompt: int, pos: int) -> StepPlan:
+        return StepPlan(decode=[(row, 0, pos)] * decoding, fused=[(row, [0] * prompt, pos)] if prompt else [])
+
+    # a prompt chunk of two tokens: one more logit-less row
+    grow = (engine.min_rows, 2) if fused else (min(engine.min_rows + 1, B + 1), 0)
+    plans = [step(engine.min_rows, 0, 0), step(*grow, 0), step(*grow, min(200, engine.max_seq_length - 3))]
+    wide = kernels.ONEDNN_MIN_TOKENS.get(engine.model.norm.weight.dtype, 16)
+    pos = max(0, engine.max_seq_length - wide - 1)
+    if fused >= wide:  # many rows, few logits: prompt tokens beside a few streams
+        plans.append(step(1, wide - 1, pos))
+    elif B + 1 >= wide:
+        plans.append(step(wide, 0, pos))
+    if B >= wide:  # many rows and many logits: as many streams
+        plans.append(step(wide, 2 if fused >= wide + 2 else 0, pos))
     with torch.inference_mode():
         for plan in plans:
             if engine.broadcast is not None:

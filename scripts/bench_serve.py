@@ -63,7 +63,7 @@ def start_ours(args, slots: int, ctx: int, logfile, extra=()) -> tuple:
         checkpoint = Path(f"{checkpoint}-int8")
         if not (checkpoint / "config.json").exists():
             subprocess.run([sys.executable, "quantize.py", "--checkpoint", str(args.checkpoint), "--mode", "int8",
-                            "--output", str(checkpoint)], cwd=ROOT, check=True)
+                            "--out", str(checkpoint)], cwd=ROOT, check=True)
     cmd = [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
            "--max_batch_size", str(slots), "--max_seq_length", str(ctx), "--dtype", "float32",
            "--model_name", "bench", *extra]

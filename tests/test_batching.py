@@ -75,6 +75,26 @@ def test_wide_steps_as_alone():
         assert max(widths) > 16, widths
 
 
+def test_warm_up_compiles_every_step_shape():
+    """After serve.py's warm-up, no step recompiles: narrow and wide steps (the float products
+    change kernels at 16 rows), short caches and the whole of it (a request would otherwise wait
+    for the compiler in the middle of serving)."""
+    import serve
+    model = kernels.install(random_model(device=TEST_DEVICE))
+    engine = BatchEngine(model, max_batch_size=17, max_seq_length=300, compile=True, prefill_chunk=64)
+    torch._dynamo.reset()
+    serve.warm_up(engine)
+    reqs = [Request(p[:4], 40) for p in prompts(16, seed=6)] + [Request([1 + i % 200 for i in range(256)], 40)]
+    widths = []
+    plan = engine._plan
+    engine._plan = lambda: (p := plan(), widths.append(len(p.decode) + sum(len(c[1]) for c in p.fused)))[0]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        run_all(engine, {0: reqs[:3], 2: reqs[16:], 8: reqs[3:16]})
+    assert all(r.error is None for r in reqs) and len(reqs[16].prompt) + len(reqs[16].out) > 256
+    if kernels.available():
+        assert max(widths) > 16 and min(widths) < 16, widths
+
+
 def test_prefix_reuse():
     """A request that shares a finished request's beginning prefills only the rest, with the
     same output as a cold run; the least recently used free slot is taken otherwise."""
@@ -94,6 +114,31 @@ def test_prefix_reuse():
     same = Request(list(base), 6)  # the whole prompt cached: its last token is fed again
     run_all(engine, {0: [same]})
     assert same.cached_tokens == len(base) - 1 and same.out == first.out
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_shared_beginning_computed_once(compiled):
+    """Requests that arrive together with one long beginning (a system prompt) compute it once:
+    the others wait for it and copy its keys and values into their own rows; a request that
+    arrives while the first one decodes copies from that busy row. Each one's greedy tokens are
+    its solo run's, and the copied tokens count as cached."""
+    model = random_model(device=TEST_DEVICE)
+    system = prompts(1, seed=5)[0] + list(range(40, 80))
+    ps = [system + [200 + i] + list(range(i, i + 5)) for i in range(4)]
+    want = [alone(model, p, 8) for p in ps]
+    engine = BatchEngine(kernels.install(copy.deepcopy(model)), max_batch_size=4, max_seq_length=128,
+                         compile=compiled, prefill_chunk=16)
+    reqs = [Request(p, 8) for p in ps]
+    copies = []
+    plan = engine._plan
+    engine._plan = lambda: (p := plan(), copies.extend(p.copies))[0]
+    run_all(engine, {0: reqs[:3], 6: reqs[3:]})
+    assert [r.out for r in reqs] == want
+    assert [r.cached_tokens for r in reqs] == [0] + [len(system)] * 3
+    assert engine.counters["prefilled_tokens"] == sum(len(p) for p in ps) - 3 * len(system)
+    assert engine.counters["cached_tokens"] == 3 * len(system)
+    assert len(copies) == 3 and all(c[2:] == (0, len(system)) for c in copies), copies
+    assert reqs[3].slot not in {r.slot for r in reqs[:3]}  # the fourth copied from a busy row
 
 
 def test_sampling_per_request():
