@@ -1107,7 +1107,7 @@ class BatchEngine:
         probe = known[:start + MIN_SHARED]  # a row must hold at least this to be worth a copy
 
         def shared(ids: list) -> int:
-            return min(common_prefix(ids, known), len(known) - 1) if ids[:len(probe)] == probe else 0
+            return reusable_prefix(ids, known, None) if ids[:len(probe)] == probe else 0
 
         best, src = start, None
         for j, slot in enumerate(self.slots):
