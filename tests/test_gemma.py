@@ -12,6 +12,8 @@ Run: python -m pytest -q tests/test_gemma.py        (add -m slow for the transfo
 import copy
 import hashlib
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -223,15 +225,20 @@ def gemma3(gemma3_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gemma3_dir, request):
+def hf_tokenizer(gemma3_dir):
     """transformers' tokenizer for the GGUF. Building it takes ~25 s (it derives 500k merges), so
-    its tokenizer.json is kept in pytest's cache, keyed by the GGUF and transformers versions."""
+    its tokenizer.json is kept beside the downloaded models, keyed by the GGUF and transformers
+    versions (written under a temporary name, then renamed)."""
     import transformers
+    from download import cache_dir
     path = gguf_path()
     key = hashlib.sha256(f"{path.stat().st_size}-{transformers.__version__}".encode()).hexdigest()[:16]
-    cached = request.config.cache.mkdir(f"gemma3-270m-hf-tokenizer-{key}")
+    cached = cache_dir() / "test-oracles" / f"gemma3-270m-hf-tokenizer-{key}"
     if not (cached / "tokenizer.json").exists():
-        transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(cached)
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        shutil.rmtree(cached, ignore_errors=True)
+        tmp.rename(cached)
     return transformers.AutoTokenizer.from_pretrained(cached)
 
 
