@@ -864,6 +864,10 @@ class StepPlan:
     copies: list = field(default_factory=list)  # (from cache row, to cache row, start, end): done first
 
 
+# the prompt rows a step takes beside decoding ones, in units of one row's products: the step reads
+# the weights once (as long as STEP_ROWS rows' products on this CPU) and a row attends over its
+# positions (one unit per ROW_POSITIONS, tuned on SmolLM2 float32, 2 cores); at least MIN_PROMPT_ROWS
+STEP_ROWS, ROW_POSITIONS, MIN_PROMPT_ROWS = 32, 100, 8
 MIN_SHARED = 16  # tokens: a shorter common beginning with another cache row is computed, not copied
 
 
@@ -1069,11 +1073,14 @@ class BatchEngine:
                 prefilling.append(req)
         share = self.prefix_reuse and not self.model.ring_window
         budget = self.prefill_chunk
-        # prompt rows beside the decoding ones: the spare rows of a 16-row step, as many as there
-        # are decoding rows (a stream's step about twice as long while a prompt arrives), or 8 per
-        # waiting prompt (a queue of them is taken in at once), whichever is most
+        # prompt rows beside the decoding ones, up to fused_rows in all: while their attention costs
+        # less than the decoding rows' whole step (so a step at most about twice as long), or 8 rows.
+        # Short prompts fill the step (the weights are read once for all its rows); rows far into a
+        # long prompt read many keys each, and gain nothing from sharing a step, so few ride at once
         D = len(plan.decode)
-        room = min(self.fused_rows - D, max(kernels.MAX_TOKENS - D, D, 8 * len(prefilling))) if D else 0
+        room = self.fused_rows - D if D else 0
+        spend = STEP_ROWS + sum(1 + pos / ROW_POSITIONS for *_, pos in plan.decode)
+        floor = MIN_PROMPT_ROWS
         order = sorted(prefilling, key=lambda r: (self.slots[r.slot].last_used, r.admitted))  # first come, first served
         for k, req in enumerate(order):
             known = req.prompt + req.out if req.out else req.prompt
@@ -1082,9 +1089,13 @@ class BatchEngine:
                 continue  # an earlier request is computing the beginning they share: copied when done
             pending = known[start:]
             if room > 0:  # ride in the decode step
-                n = min(room, len(pending))
+                n = 0
+                while n < min(room, len(pending)) and (n < floor or spend > 0):
+                    spend -= (start + n) / ROW_POSITIONS
+                    n += 1
                 plan.fused.append((req.slot, pending[:n], start))
-                room -= n
+                floor -= n
+                room = room - n if spend > 0 or floor > 0 else 0
                 continue
             if plan.fused:
                 break
