@@ -95,6 +95,24 @@ def test_warm_up_compiles_every_step_shape():
         assert max(widths) > 16 and min(widths) < 16, widths
 
 
+def test_prompt_rows_fill_the_step_at_short_positions_only():
+    """Beside 8 decoding streams, a prompt's start fills the step (its rows cost little beside the
+    weights' read), while rows 1,500 positions in (each reading its keys apart) ride 8 at a time."""
+    engine = BatchEngine(random_model(device=TEST_DEVICE), max_batch_size=9, max_seq_length=2100, fused_rows=64)
+    for i in range(8):
+        stream = Request([1] * 40, 100)
+        stream.out, stream.fed, stream.slot = [2], 40, i
+        engine.slots[i].request = stream
+    long = Request([3] * 2000, 4)
+    long.slot = 8
+    engine.slots[8].request = long
+    for fed, rows in [(0, 56), (1500, 8)]:
+        long.fed = fed
+        plan = engine._plan()
+        assert len(plan.decode) == 8 and not plan.prefill
+        assert [(row, len(ids), start) for row, ids, start in plan.fused] == [(8, rows, fed)]
+
+
 def test_prefix_reuse():
     """A request that shares a finished request's beginning prefills only the rest, with the
     same output as a cold run; the least recently used free slot is taken otherwise."""
