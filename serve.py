@@ -975,9 +975,7 @@ def main(argv=None):
             return box[0]
 
         if tp.rank != 0:
-            if args.compile:
-                warm_up_follower(engine, receive)
-            engine.follow(receive)
+            engine.follow(receive)  # the warm-up's steps first, then every step rank 0 plans
             return
         engine.broadcast = broadcast
     if args.compile:
@@ -1011,13 +1009,6 @@ def main(argv=None):
         if engine.broadcast is not None:
             engine.broadcast(None)  # the other ranks stop following
     log("serve: stopped")
-
-
-def warm_up_follower(engine: BatchEngine, receive):
-    """The other ranks' side of warm_up: the same compiling steps, as rank 0 sends them."""
-    with torch.inference_mode():
-        for _ in range(3):
-            engine.run(receive())
 
 
 if __name__ == "__main__":

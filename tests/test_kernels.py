@@ -164,6 +164,7 @@ def test_stream_sum_is_the_sum():
         kernels.stream_sum(torch.ones(17), 1)
 
 
+@pytest.mark.slow  # a second build of the kernels, a minute on a fresh machine
 def test_the_other_build_of_the_integer_loops_gives_the_same_products():
     """Where the CPU has AVX-512 VNNI the kernels are built with it, so the AVX2 loops (what
     every AVX2-only machine runs) would go untested: run test_quantize.py's kernel cases once

@@ -228,8 +228,9 @@ def smollm2_quantized(smollm2_dir, tmp_path_factory) -> dict:
     return {f"smollm2-{mode}": tmp / mode for mode in ("int8", "int4")}
 
 
-@pytest.mark.parametrize("ranks,mode", [(2, "int8"), (3, "int4"), *[pytest.param(*case, marks=pytest.mark.slow)
-                                                                   for case in [(3, "int8"), (2, "int4"), (3, "float32")]]])
+# 3 ranks and int4 in the default suite: test_tp3_smollm2_gives_single_process_bits
+@pytest.mark.parametrize("ranks,mode", [(2, "int8"), *[pytest.param(*case, marks=pytest.mark.slow)
+                                                     for case in [(3, "int4"), (3, "int8"), (2, "int4"), (3, "float32")]]])
 def test_cli_tp_text_is_single_process_text(smollm2_dir, smollm2_quantized, ranks, mode):
     """torchrun + generate.py with an int8 or int4 SmolLM2 (its activations rounded to int8 by
     kernels.py's loops) prints one process's greedy text: tp.py's exact mode. 96 tokens: in
