@@ -910,8 +910,10 @@ class BatchEngine:
 
     def __init__(self, model: Transformer, max_batch_size: int, max_seq_length: int, compile: bool = False,
                  compile_mode: str = "default", prefill_chunk: int = 256, max_waiting: int = 64,
-                 prefix_reuse: bool = True, fused_rows: Optional[int] = None):
+                 prefix_reuse: bool = True, fused_rows: Optional[int] = None, prepack: bool = True):
         check_longrope_batching(model.args, max_seq_length)
+        if prepack:  # steps of many rows: their products read oneDNN's layout of the weights
+            kernels.prepack(model)
         self.model, self.device = model, model.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.prefill_chunk, self.max_waiting, self.prefix_reuse = prefill_chunk, max_waiting, prefix_reuse

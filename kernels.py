@@ -34,11 +34,13 @@ too. Where it cannot be built (no AVX2, no compiler) or when MINILLM_KERNELS=0, 
 is False and the layers use F.linear, SDPA and inductor.
 """
 import functools
+import itertools
 import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
+import weakref
 
 import torch
 import torch.nn as nn
@@ -145,15 +147,20 @@ def small_linear(x: Tensor, w: Tensor) -> Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+# prepack's copies of weights in oneDNN's blocked layout, by the handle a CpuLinear keeps in
+# `packed` (an int: a compiled graph cannot take an opaque oneDNN tensor as an input)
+_PACKED: dict = {}
+
+
 @torch.library.custom_op("minillm_dnn::linear", mutates_args=())
-def _onednn_linear(x: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _onednn_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], packed: int) -> Tensor:
     # opaque to inductor, which would otherwise lower the product to BLAS (or fail to lower the
     # oneDNN op with a weight that is not a frozen constant)
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], None)
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED.get(packed, w), bias, "none", [None], None)
 
 
 @_onednn_linear.register_fake
-def _(x: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _(x: Tensor, w: Tensor, bias: Optional[Tensor], packed: int) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -167,11 +174,56 @@ def uses_onednn(x: Tensor, w: Tensor) -> bool:
     return x.dtype in ONEDNN_MIN_TOKENS and x.shape[:-1].numel() >= ONEDNN_MIN_TOKENS[x.dtype]
 
 
-def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, packed: int = -1) -> Tensor:
     """F.linear(x, w, bias) through oneDNN's GEMM: x (..., K), w (N, K), both float32 or both
-    bfloat16 (see `uses_onednn`); (..., N) in x's dtype, accumulated in float32."""
-    y = _onednn_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(), bias)  # (tokens, N)
+    bfloat16 (see `uses_onednn`); (..., N) in x's dtype, accumulated in float32. packed: the
+    handle of w's copy from `prepack`, read instead of w when it is still there."""
+    y = _onednn_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(), bias, packed)  # (tokens, N)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _packable(device: torch.device, dtype: torch.dtype) -> bool:
+    return ONEDNN and device.type == "cpu" and dtype in ONEDNN_MIN_TOKENS and (dtype == torch.float32 or CPU_HAS_BF16)
+
+
+def prepack_bytes(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """The bytes `prepack` adds to a model that load_model builds on `device` in `dtype`, given
+    the model as meta_model builds it: a copy of each float linear weight, a tied one once."""
+    if not _packable(device, dtype):
+        return 0
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
+    return sum(w.numel() for w in weights.values() if w.is_floating_point()) * dtype.itemsize
+
+
+def prepack(model: nn.Module) -> int:
+    """Give every CpuLinear whose products can take oneDNN's GEMM (`uses_onednn`) a copy of its
+    weight in oneDNN's own blocked layout, which `dense_linear` then reads: the same products, bit
+    for bit, without the reorder that oneDNN otherwise makes of a plain weight on every call, a
+    fifth of a 16-row float32 step's products and a third in bfloat16 (docs/benchmarks.md). The
+    plain weight stays, for the smaller products. Call it once the weights are final: the copy
+    does not follow later changes to them. Costs `prepack_bytes`; returns how many it packed."""
+    copies, count = {}, 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(module, CpuLinear) or not _packable(w.device, w.dtype) or module_packed(module):
+            continue
+        if id(w) not in copies:  # a tied weight is packed once
+            handle = next(_HANDLES)
+            with torch.no_grad():
+                _PACKED[handle] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_MIN_TOKENS[w.dtype])
+            weakref.finalize(w, _PACKED.pop, handle, None)  # goes with the weight
+            copies[id(w)] = handle
+        module.packed = copies[id(w)]
+        count += 1
+    return count
+
+
+def module_packed(module: nn.Module) -> bool:
+    """Whether `prepack` gave this layer a copy that is still there."""
+    return getattr(module, "packed", -1) in _PACKED
+
+
+_HANDLES = itertools.count()
 
 
 def stream_sum(t: Tensor, streams: int = 1) -> float:
@@ -238,7 +290,7 @@ class CpuLinear(nn.Linear):
             y = y.view(*x.shape[:-1], -1)  # (..., out_features)
             return y if self.bias is None else y + self.bias
         if uses_onednn(x, self.weight):
-            return dense_linear(x, self.weight, self.bias)
+            return dense_linear(x, self.weight, self.bias, getattr(self, "packed", -1))
         one_token_loop = tokens == 1 and AVX512 and x.device.type == "cpu"  # BLAS gemv: 17-28 GB/s
         if kernel_ok and (one_token_loop or (compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS)):
             y = small_linear(x.float(), self.weight).to(x.dtype)  # (..., out_features)
@@ -315,11 +367,11 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
     y = q.new_empty(B, nkv, group * T, D)
     for b in range(B):
         for h in range(nkv):
-            scores = _onednn_linear(q[b, h], k[b, h].contiguous(), None).view(group, T, S)
+            scores = _onednn_linear(q[b, h], k[b, h].contiguous(), None, -1).view(group, T, S)
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
             probs = torch.softmax(scores + mask[b].float(), dim=-1)  # (group, T, S)
-            y[b, h] = _onednn_linear(probs.view(group * T, S), v_t[b, h].contiguous(), None)
+            y[b, h] = _onednn_linear(probs.view(group * T, S), v_t[b, h].contiguous(), None, -1)
     return y.view(B, nh, T, D)
 
 

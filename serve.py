@@ -838,7 +838,9 @@ def memory_needs(model, args, dtype) -> list:
                  f" for {args.max_batch_size} + 1 rows of {length} tokens"),
             Need("the logits", logits_bytes(model.args.vocab_size, rows), "lower --max_batch_size", f" of {rows} rows"),
             Need("a step's activations", activation_bytes(model.args, step, length, dtype) + cache // len(model.layers),
-                 "lower --prefill_chunk, --max_batch_size or --max_seq_length")]
+                 "lower --prefill_chunk, --max_batch_size or --max_seq_length"),
+            Need("oneDNN's copy of the float weights", kernels.prepack_bytes(model, parse_device(args.device), dtype)
+                 if args.prepack else 0, "pass --no-prepack")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -860,6 +862,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_waiting", type=int, default=64, help="requests queued for a slot; more get a 429")
     p.add_argument("--prefill_chunk", type=int, default=256,
                    help="prompt tokens prefilled per step, between decode steps")
+    p.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU, float weights: keep a second copy of the weights in oneDNN's layout, for faster steps of "
+                        "many rows (--no-prepack saves that memory)")
     p.add_argument("--prefix_reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="a request takes the free slot whose cache shares the longest beginning with its prompt "
                         "and prefills only the rest (default: on)")
@@ -962,7 +967,7 @@ def main(argv=None):
         f"{args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
     engine = BatchEngine(model, args.max_batch_size, args.max_seq_length, compile=args.compile,
                          compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
-                         prefix_reuse=args.prefix_reuse)
+                         prefix_reuse=args.prefix_reuse, prepack=args.prepack)
     if tp is not None:
         import torch.distributed as dist
 

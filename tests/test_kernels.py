@@ -128,6 +128,41 @@ def test_prompt_sized_products_take_onednn_compiled_or_not(monkeypatch, dtype):
             assert got.shape == (1, tokens, 40) and (got.double() - ref).abs().max().item() < tol, tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_weights_give_the_same_bits_and_are_the_ones_read(dtype):
+    packable = kernels.ONEDNN and (dtype == torch.float32 or kernels.CPU_HAS_BF16)
+    m = kernels.install(random_model(tie_word_embeddings=True).to(dtype))
+    linears = [mod for mod in m.modules() if isinstance(mod, kernels.CpuLinear)]
+    weights = {id(mod.weight): mod.weight for mod in linears}  # the output head shares the embedding's
+    meta = reference.Transformer(m.args).to("meta")
+    expected = sum(w.numel() for w in weights.values()) * dtype.itemsize if packable else 0
+    assert kernels.prepack_bytes(meta, torch.device("cpu"), dtype) == expected
+    assert kernels.prepack_bytes(meta, torch.device("meta"), dtype) == 0
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(tokens, m.args.dim, generator=g).to(dtype) for tokens in (1, 8, 16, 40, 300)]
+    with torch.inference_mode():
+        before = [m.output(x) for x in xs]
+        assert kernels.prepack(m) == (len(linears) if packable else 0)
+        assert kernels.prepack(m) == 0  # once
+        if not packable:
+            return
+        assert len({mod.packed for mod in linears}) == len(weights)
+        assert [torch.equal(a, m.output(x)) for a, x in zip(before, xs)] == [True] * len(xs)
+        # the copy is what a product of many tokens reads: swapped for zeros, it gives zeros
+        real = kernels._PACKED[m.output.packed]
+        kernels._PACKED[m.output.packed] = torch.ops.mkldnn._reorder_linear_weight(
+            torch.zeros_like(m.output.weight), kernels.ONEDNN_MIN_TOKENS[dtype])
+        assert not m.output(xs[3]).any() and m.output(xs[0]).any()  # one token reads the plain weight
+        torch._dynamo.reset()
+        assert not torch.compile(m.output, fullgraph=True)(xs[3]).any()  # and so does a compiled step
+        kernels._PACKED[m.output.packed] = real
+    handles = {mod.packed for mod in linears}
+    del m, linears, weights, real
+    import gc
+    gc.collect()
+    assert not handles & kernels._PACKED.keys()  # the copies go with the model
+
+
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_one_token_linear_takes_the_avx512_loop_where_built(monkeypatch, wdtype):
     # the decode step's products and a prompt's output head: small_linear's one-token loop with
