@@ -938,11 +938,9 @@ class BatchEngine:
         # Rows of one compiled step: while requests decode, prompt tokens ride in the same step
         # (each a row of its own, at its position), so a prompt costs the running streams a larger
         # step rather than a whole prefill; 0: prompts prefill apart. The CPU kernels serve up to
-        # 128 float tokens per call (16 quantized) with the same bits for a row whatever the others.
+        # 128 float tokens per call (64 quantized) with the same bits for a row whatever the others.
         if fused_rows is None:
-            quantized = any(isinstance(m, quantize.QuantizedLayer) for m in model.modules())
-            fused_rows = (0 if not (compile and self.device.type == "cpu" and kernels.available())
-                          else kernels.MAX_TOKENS if quantized else 64)
+            fused_rows = 64 if compile and self.device.type == "cpu" and kernels.available() else 0
         if model.ring_window:  # a ring cache reads a row's window before the step writes it: a prompt
             fused_rows = 0     # token would miss the keys of the tokens beside it in the same step
         self.fused_rows = fused_rows
@@ -1090,7 +1088,9 @@ class BatchEngine:
             if start is None:
                 continue  # an earlier request is computing the beginning they share: copied when done
             pending = known[start:]
-            if room > 0:  # ride in the decode step
+            # ride in the decode step; where only a few rows are left (a quantized step, full of
+            # streams), a long prompt takes a chunk instead of a row or two per step
+            if room > 0 and room >= min(len(pending), MIN_PROMPT_ROWS):
                 n = 0
                 while n < min(room, len(pending)) and (n < floor or spend > 0):
                     spend -= (start + n) / ROW_POSITIONS

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kernels
+import quantize
 from conftest import TEST_DEVICE, random_model
 from engine import BatchEngine, Engine, QueueFull, Request, Sampling, sample_rows
 from errors import UserError
@@ -75,6 +76,29 @@ def test_wide_steps_as_alone():
         assert max(widths) > 16, widths
 
 
+def test_quantized_wide_steps_as_alone(tmp_path):
+    """The same with an int8 checkpoint: its integer loops give a row the same bits in a step of
+    up to 64 rows, so prompt tokens fill the step beside the streams as with float weights."""
+    from conftest import run_script, save_checkpoint
+    from engine import load_model
+    src = save_checkpoint(random_model(), tmp_path / "float")
+    r = run_script("quantize.py", "--checkpoint", src, "--mode", "int8", "--out", tmp_path / "int8")
+    assert r.returncode == 0, r.stderr
+    model = load_model(tmp_path / "int8", TEST_DEVICE)
+    # prompts that the solo run also feeds through the loops (a longer one, dequantized weights)
+    ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 5 + quantize.LOOP_MAX_TOKENS))]
+    want = [alone(model, p, 16) for p in ps]
+    engine = BatchEngine(model, max_batch_size=13, max_seq_length=128, compile=True, prefill_chunk=16)
+    widths = []
+    plan = engine._plan
+    engine._plan = lambda: (p := plan(), widths.append(len(p.decode) + sum(len(c[1]) for c in p.fused)))[0]
+    reqs = [Request(p, 16) for p in ps]
+    run_all(engine, {0: reqs[:11], 6: reqs[11:]})
+    assert [r.out for r in reqs] == want
+    if kernels.available():
+        assert max(widths) > 16, widths
+
+
 def test_warm_up_compiles_every_step_shape():
     """After serve.py's warm-up, no step recompiles: narrow and wide steps (the float products
     change kernels at 16 rows), short caches and the whole of it (a request would otherwise wait
@@ -111,6 +135,25 @@ def test_prompt_rows_fill_the_step_at_short_positions_only():
         plan = engine._plan()
         assert len(plan.decode) == 8 and not plan.prefill
         assert [(row, len(ids), start) for row, ids, start in plan.fused] == [(8, rows, fed)]
+
+
+def test_a_prompt_takes_a_chunk_where_a_full_step_leaves_a_row_or_two():
+    """Beside 15 streams in a 16-row step (a quantized model's), a prompt is prefilled in a chunk
+    of its own rather than one row per step; a short remainder still rides in the step."""
+    engine = BatchEngine(random_model(device=TEST_DEVICE), max_batch_size=16, max_seq_length=300,
+                         fused_rows=16, prefill_chunk=64)
+    for i in range(15):
+        stream = Request([1] * 40, 100)
+        stream.out, stream.fed, stream.slot = [2], 40, i
+        engine.slots[i].request = stream
+    new = Request([3] * 200, 4)
+    new.slot = 15
+    engine.slots[15].request = new
+    plan = engine._plan()
+    assert len(plan.decode) == 15 and not plan.fused and [(r, len(ids), s) for r, ids, s in plan.prefill] == [(15, 64, 0)]
+    new.fed = 199  # its last token
+    plan = engine._plan()
+    assert not plan.prefill and [(r, len(ids), s) for r, ids, s in plan.fused] == [(15, 1, 199)]
 
 
 def test_prefix_reuse():

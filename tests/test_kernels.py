@@ -83,6 +83,22 @@ def test_integer_loops_give_a_row_the_same_bits_whatever_the_other_rows():
                            full4[:, a:b]), (a, b)
 
 
+def test_integer_loops_give_a_token_the_same_bits_whatever_the_other_tokens():
+    # a serving step's rows (up to quantize.LOOP_MAX_TOKENS) are other requests' tokens
+    if not kernels.available():
+        pytest.fail("the integer kernels could not be built here")
+    g = torch.Generator().manual_seed(3)
+    N, K, T = 37, 576, quantize.LOOP_MAX_TOKENS
+    x = torch.randn(T, K, generator=g)
+    w8, s8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8), torch.rand(N, generator=g)
+    q4 = quantize.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
+    s4, z4 = torch.rand(N, 24, generator=g).half(), torch.randn(N, 24, generator=g).half()
+    full8, full4 = kernels.q8_linear(x, w8, s8), kernels.q4_linear(x, q4, s4, z4, 32)
+    for a, b in [(0, 1), (0, 2), (3, 19), (10, T), (0, 16), (17, 50), (T - 5, T)]:
+        assert torch.equal(kernels.q8_linear(x[a:b], w8, s8), full8[a:b]), (a, b)
+        assert torch.equal(kernels.q4_linear(x[a:b], q4, s4, z4, 32), full4[a:b]), (a, b)
+
+
 def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
     torch.manual_seed(0)
     lin = kernels.CpuLinear(64, 48, bias=True)
