@@ -150,7 +150,8 @@ def test_a_prompt_takes_a_chunk_where_a_full_step_leaves_a_row_or_two():
     new.slot = 15
     engine.slots[15].request = new
     plan = engine._plan()
-    assert len(plan.decode) == 15 and not plan.fused and [(r, len(ids), s) for r, ids, s in plan.prefill] == [(15, 64, 0)]
+    assert len(plan.decode) == 15 and not plan.fused
+    assert [(r, len(ids), s) for r, ids, s in plan.prefill] == [(15, 64, 0)]
     new.fed = 199  # its last token
     plan = engine._plan()
     assert not plan.prefill and [(r, len(ids), s) for r, ids, s in plan.fused] == [(15, 1, 199)]

@@ -286,7 +286,8 @@ def test_unpack_mask_reads_bit_t_mod_32_of_word_t_div_32():
     assert torch.equal(unpack_mask_on_host(masks, 220), unpack_mask(masks, 220))
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],  # 48 s compiling
+                         ids=["eager", "compiled"])
 def test_mask_in_the_step_equals_masking_on_the_host(smol, compiled):
     """Grammars alone are applied inside the decode step; with host=True the same masks are applied
     to the logits on the host (pick_tokens): the same tokens, a row without a grammar included.
