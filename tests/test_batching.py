@@ -36,6 +36,13 @@ def run_all(engine: BatchEngine, arrivals: dict, max_steps=1000):
     raise AssertionError("requests did not finish")
 
 
+def record_widths(engine: BatchEngine) -> list:
+    """The rows of each step the engine plans from now on (decoding rows and prompt rows)."""
+    widths, plan = [], engine._plan
+    engine._plan = lambda: (p := plan(), widths.append(len(p.decode) + sum(len(c[1]) for c in p.fused)))[0]
+    return widths
+
+
 def prompts(n, seed=0, vocab=256):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
@@ -66,9 +73,7 @@ def test_wide_steps_as_alone():
     want = [alone(model, p, 24) for p in ps]
     engine = BatchEngine(kernels.install(copy.deepcopy(model)), max_batch_size=13, max_seq_length=128,
                          compile=True, prefill_chunk=16)
-    widths = []
-    plan = engine._plan
-    engine._plan = lambda: (p := plan(), widths.append(len(p.decode) + sum(len(c[1]) for c in p.fused)))[0]
+    widths = record_widths(engine)
     reqs = [Request(p, 24) for p in ps]
     run_all(engine, {0: reqs[:11], 6: reqs[11:]})
     assert [r.out for r in reqs] == want
@@ -89,9 +94,7 @@ def test_quantized_wide_steps_as_alone(tmp_path):
     ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 5 + quantize.LOOP_MAX_TOKENS))]
     want = [alone(model, p, 16) for p in ps]
     engine = BatchEngine(model, max_batch_size=13, max_seq_length=128, compile=True, prefill_chunk=16)
-    widths = []
-    plan = engine._plan
-    engine._plan = lambda: (p := plan(), widths.append(len(p.decode) + sum(len(c[1]) for c in p.fused)))[0]
+    widths = record_widths(engine)
     reqs = [Request(p, 16) for p in ps]
     run_all(engine, {0: reqs[:11], 6: reqs[11:]})
     assert [r.out for r in reqs] == want
@@ -109,9 +112,7 @@ def test_warm_up_compiles_every_step_shape():
     torch._dynamo.reset()
     serve.warm_up(engine)
     reqs = [Request(p[:4], 40) for p in prompts(16, seed=6)] + [Request([1 + i % 200 for i in range(256)], 40)]
-    widths = []
-    plan = engine._plan
-    engine._plan = lambda: (p := plan(), widths.append(len(p.decode) + sum(len(c[1]) for c in p.fused)))[0]
+    widths = record_widths(engine)
     with torch.compiler.set_stance("fail_on_recompile"):
         run_all(engine, {0: reqs[:3], 2: reqs[16:], 8: reqs[3:16]})
     assert all(r.error is None for r in reqs) and len(reqs[16].prompt) + len(reqs[16].out) > 256
