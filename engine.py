@@ -1088,7 +1088,7 @@ class BatchEngine:
             if start is None:
                 continue  # an earlier request is computing the beginning they share: copied when done
             pending = known[start:]
-            # ride in the decode step; where only a few rows are left (a quantized step, full of
+            # ride in the decode step; where only a few rows are left (a step nearly full of
             # streams), a long prompt takes a chunk instead of a row or two per step
             if room > 0 and room >= min(len(pending), MIN_PROMPT_ROWS):
                 n = 0

@@ -37,10 +37,10 @@ import functools
 import itertools
 import os
 import sys
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
-import weakref
 
 import torch
 import torch.nn as nn
@@ -150,6 +150,7 @@ def small_linear(x: Tensor, w: Tensor) -> Tensor:
 # prepack's copies of weights in oneDNN's blocked layout, by the handle a CpuLinear keeps in
 # `packed` (an int: a compiled graph cannot take an opaque oneDNN tensor as an input)
 _PACKED: dict = {}
+_HANDLES = itertools.count()
 
 
 @torch.library.custom_op("minillm_dnn::linear", mutates_args=())
@@ -167,11 +168,14 @@ def _(x: Tensor, w: Tensor, bias: Optional[Tensor], packed: int) -> Tensor:
 def uses_onednn(x: Tensor, w: Tensor) -> bool:
     """Whether `dense_linear` takes x (..., K) times w: on CPU, float32 from 16 tokens and
     bfloat16 (on a CPU with bf16 instructions) from 8, where oneDNN beats small_linear and BLAS."""
-    if not ONEDNN or x.device.type != "cpu" or x.dtype != w.dtype:
-        return False
-    if x.dtype == torch.bfloat16 and not CPU_HAS_BF16:
-        return False
-    return x.dtype in ONEDNN_MIN_TOKENS and x.shape[:-1].numel() >= ONEDNN_MIN_TOKENS[x.dtype]
+    return (x.dtype == w.dtype and onednn_dtype(x.device, x.dtype)
+            and x.shape[:-1].numel() >= ONEDNN_MIN_TOKENS[x.dtype])
+
+
+def onednn_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's GEMM takes products in dtype on device: float32 on CPU, and bfloat16 on a
+    CPU with bf16 instructions."""
+    return ONEDNN and device.type == "cpu" and dtype in ONEDNN_MIN_TOKENS and (dtype == torch.float32 or CPU_HAS_BF16)
 
 
 def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, packed: int = -1) -> Tensor:
@@ -182,14 +186,10 @@ def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, packed: in
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def _packable(device: torch.device, dtype: torch.dtype) -> bool:
-    return ONEDNN and device.type == "cpu" and dtype in ONEDNN_MIN_TOKENS and (dtype == torch.float32 or CPU_HAS_BF16)
-
-
 def prepack_bytes(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """The bytes `prepack` adds to a model that load_model builds on `device` in `dtype`, given
     the model as meta_model builds it: a copy of each float linear weight, a tied one once."""
-    if not _packable(device, dtype):
+    if not onednn_dtype(device, dtype):
         return 0
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
     return sum(w.numel() for w in weights.values() if w.is_floating_point()) * dtype.itemsize
@@ -205,7 +205,7 @@ def prepack(model: nn.Module) -> int:
     copies, count = {}, 0
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if not isinstance(module, CpuLinear) or not _packable(w.device, w.dtype) or module_packed(module):
+        if not isinstance(module, CpuLinear) or not onednn_dtype(w.device, w.dtype) or module_packed(module):
             continue
         if id(w) not in copies:  # a tied weight is packed once
             handle = next(_HANDLES)
@@ -222,8 +222,6 @@ def module_packed(module: nn.Module) -> bool:
     """Whether `prepack` gave this layer a copy that is still there."""
     return getattr(module, "packed", -1) in _PACKED
 
-
-_HANDLES = itertools.count()
 
 
 def stream_sum(t: Tensor, streams: int = 1) -> float:

@@ -120,17 +120,24 @@ def test_warm_up_compiles_every_step_shape():
         assert max(widths) > 16 and min(widths) < 16, widths
 
 
+def occupy(engine: BatchEngine, streams: int, prompt_len: int) -> Request:
+    """Slots 0..streams-1 decoding (40 tokens in), and the next slot holding a prompt of
+    prompt_len tokens not yet fed, which is returned."""
+    for i in range(streams):
+        stream = Request([1] * 40, 100)
+        stream.out, stream.fed, stream.slot = [2], 40, i
+        engine.slots[i].request = stream
+    prompt = Request([3] * prompt_len, 4)
+    prompt.slot = streams
+    engine.slots[streams].request = prompt
+    return prompt
+
+
 def test_prompt_rows_fill_the_step_at_short_positions_only():
     """Beside 8 decoding streams, a prompt's start fills the step (its rows cost little beside the
     weights' read), while rows 1,500 positions in (each reading its keys apart) ride 8 at a time."""
     engine = BatchEngine(random_model(device=TEST_DEVICE), max_batch_size=9, max_seq_length=2100, fused_rows=64)
-    for i in range(8):
-        stream = Request([1] * 40, 100)
-        stream.out, stream.fed, stream.slot = [2], 40, i
-        engine.slots[i].request = stream
-    long = Request([3] * 2000, 4)
-    long.slot = 8
-    engine.slots[8].request = long
+    long = occupy(engine, 8, 2000)
     for fed, rows in [(0, 56), (1500, 8)]:
         long.fed = fed
         plan = engine._plan()
@@ -139,17 +146,11 @@ def test_prompt_rows_fill_the_step_at_short_positions_only():
 
 
 def test_a_prompt_takes_a_chunk_where_a_full_step_leaves_a_row_or_two():
-    """Beside 15 streams in a 16-row step (a quantized model's), a prompt is prefilled in a chunk
-    of its own rather than one row per step; a short remainder still rides in the step."""
+    """Beside 15 streams in a 16-row step, a prompt is prefilled in a chunk of its own rather than
+    one row per step; a short remainder still rides in the step."""
     engine = BatchEngine(random_model(device=TEST_DEVICE), max_batch_size=16, max_seq_length=300,
                          fused_rows=16, prefill_chunk=64)
-    for i in range(15):
-        stream = Request([1] * 40, 100)
-        stream.out, stream.fed, stream.slot = [2], 40, i
-        engine.slots[i].request = stream
-    new = Request([3] * 200, 4)
-    new.slot = 15
-    engine.slots[15].request = new
+    new = occupy(engine, 15, 200)
     plan = engine._plan()
     assert len(plan.decode) == 15 and not plan.fused
     assert [(r, len(ids), s) for r, ids, s in plan.prefill] == [(15, 64, 0)]
