@@ -1,7 +1,8 @@
 // Hand-written CPU kernels for kernels.py, registered as the operators minillm::small_linear,
 // q8_linear, q4_linear, attend and stream_sum, which compiled graphs call like aten ops. AVX2 and
-// FMA; with AVX-512 and VNNI (kernels.py builds so where the CPU has them) the integer dot
-// products use vpdpbusd and a one-token float product has its own 16-lane loop.
+// FMA; with AVX-512 and VNNI (kernels.py builds so where the CPU has them) the integer loops
+// work on 512-bit tiles of rows x tokens with vpdpbusd and a one-token float product has its own
+// 16-lane loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -190,8 +191,15 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
 // Unpacking each weight to float and multiplying in float (what inductor's code does) is
 // compute-bound, well below memory bandwidth.
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VNNI512 1
+#else
+#define VNNI512 0
+#endif
+
 // x (T, K) float32, K a multiple of 32 -> per token and block of 32: the scale d = absmax / 127,
-// xq = round(x / d) in -127..127, |xq| as unsigned bytes, and d * sum(xq) (for int4's zeros).
+// xq = round(x / d) in -127..127, an unsigned form of it for the int8 loop (a: |xq|, or with
+// VNNI512 xq + 128), and d * sum(xq) (for int4's zeros).
 struct QuantizedX {
   int64_t T, K, KB;
   std::vector<int8_t> q;
@@ -218,7 +226,11 @@ struct QuantizedX {
       __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
       b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + 32 * i), b);
+#if VNNI512  // xq + 128, dpbusd's unsigned operand in q8_tile
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.data() + 32 * i), _mm256_xor_si256(b, _mm256_set1_epi8(-128)));
+#else
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.data() + 32 * i), _mm256_abs_epi8(b));
+#endif
       __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
       t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
       t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
@@ -257,10 +269,11 @@ inline void store_sums(const __m256* acc, const float* scale, float* y) {
   }
 }
 
-// Both loops take R = 4 rows at a time (the rest one by one) and read each row front to back,
-// one after another: a sequential stream that the hardware prefetcher follows, which matters
-// more than loading each activation block once for all four rows (weights come from memory).
-// What the four rows share is the horizontal reduction at the end.
+// The AVX2 loops (VNNI512 has its own below). Both take R = 4 rows at a time (the rest one by
+// one) and read each row front to back, one after another: a sequential stream that the
+// hardware prefetcher follows, which matters more than loading each activation block once for
+// all four rows (weights come from memory). What the four rows share is the horizontal
+// reduction at the end.
 
 // int8: w (N, K) row-major, one scale per row. y = scale * sum_b d_b * (xq_b . w_b). maddubs
 // wants one unsigned operand: |xq| times w with xq's signs moved onto it.
@@ -345,6 +358,73 @@ void q4_group(const uint8_t* w, const at::Half* scales, const at::Half* zeros, i
   }
 }
 
+#if VNNI512
+// int8 with AVX-512 VNNI: R rows x TB tokens at once, 64 columns (two blocks) per step in 16
+// lanes: lanes 0-7 sum block 2c's products and 8-15 block 2c+1's, each weight vector loaded once
+// for the TB tokens and each activation vector once for the R rows. vpdpbusd wants one unsigned
+// operand: it multiplies xq + 128 by w, starting from -128 * (w's sums), so the integer sums are
+// exactly xq . w. Every (row, token) has one chain of multiply-adds and one final reduction
+// whatever R and TB are: a token's bits do not depend on the others.
+template <int R, int TB>
+void q8_tile(const int8_t* w, const int32_t* starts, const float* scale, const QuantizedX& x, int64_t n, int64_t t0,
+             float* y, int64_t N) {
+  const int64_t K = x.K, KB = x.KB, C = (KB + 1) / 2;
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+  auto chunk = [&](int64_t c, bool whole) {  // columns 64c.. (whole: both blocks; else the first only)
+    const __mmask64 m = whole ? ~0ULL : 0xffffffffULL;
+    __m512i wv[R], start[R];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* wr = w + (n + r) * K + 64 * c;
+      wv[r] = _mm512_maskz_loadu_epi8(m, wr);
+      start[r] = _mm512_loadu_si512(starts + (r * C + c) * 16);
+      _mm_prefetch(reinterpret_cast<const char*>(wr + PREFETCH_ROWS * K), _MM_HINT_T1);
+    }
+    for (int t = 0; t < TB; ++t) {
+      const uint8_t* xa = x.a.data() + (t0 + t) * K + 64 * c;
+      const float* d = x.d.data() + (t0 + t) * KB + 2 * c;
+      __m512i u = _mm512_maskz_loadu_epi8(m, xa);
+      __m128 d2 = whole ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d))) : _mm_load_ss(d);
+      __m512 dv = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(d2));
+      for (int r = 0; r < R; ++r)
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start[r], u, wv[r])), dv, acc[r][t]);
+    }
+  };
+  int64_t c = 0;
+  for (; 2 * c + 2 <= KB; ++c) chunk(c, true);
+  if (2 * c < KB) chunk(c, false);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) y[(t0 + t) * N + n + r] = _mm512_reduce_add_ps(acc[r][t]) * scale[n + r];
+}
+
+// rows n..n+R for every token, in near-equal blocks of at most 4 tokens; starts: scratch for
+// R * 16 * ceil(KB / 2) int32, the rows' -128 * (w's sums) per chunk, made once for all blocks
+template <int R>
+void q8_rows(const int8_t* w, const float* scale, const QuantizedX& x, int64_t n, float* y, int64_t N,
+             int32_t* starts) {
+  const int64_t K = x.K, KB = x.KB, C = (KB + 1) / 2;
+  const __m512i bias = _mm512_set1_epi8(-128), zero = _mm512_setzero_si512();
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      __m512i wv = _mm512_maskz_loadu_epi8(2 * c + 2 <= KB ? ~0ULL : 0xffffffffULL, w + (n + r) * K + 64 * c);
+      _mm512_storeu_si512(starts + (r * C + c) * 16, _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, wv)));
+    }
+  int64_t blocks = (x.T + 3) / 4;
+  for (int64_t t0 = 0; t0 < x.T; --blocks) {
+    int64_t tb = std::min<int64_t>((x.T - t0 + blocks - 1) / blocks, 4);
+    switch (tb) {
+      case 1: q8_tile<R, 1>(w, starts, scale, x, n, t0, y, N); break;
+      case 2: q8_tile<R, 2>(w, starts, scale, x, n, t0, y, N); break;
+      case 3: q8_tile<R, 3>(w, starts, scale, x, n, t0, y, N); break;
+      default: q8_tile<R, 4>(w, starts, scale, x, n, t0, y, N); break;
+    }
+    t0 += tb;
+  }
+}
+#endif
+
 // w: int8 (N, K), K a multiple of 32; scale: float32 (N,)
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(1) % 32 == 0,
@@ -360,12 +440,110 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // groups of four rows (about 64 KiB of weights per task at least), then the last N % 4 rows
+#if VNNI512
+  const int64_t chunks = (xq.KB + 1) / 2;
+  at::parallel_for(0, N / 4, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
+    std::vector<int32_t> starts(4 * 16 * chunks);
+    for (int64_t g = b; g < e; ++g) q8_rows<4>(wp, sp, xq, 4 * g, yp, N, starts.data());
+  });
+  std::vector<int32_t> starts(16 * chunks);
+  for (int64_t n = N / 4 * 4; n < N; ++n) q8_rows<1>(wp, sp, xq, n, yp, N, starts.data());
+#else
   at::parallel_for(0, N / 4, std::max<int64_t>(1, 16384 / K), [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) q8_group<4>(wp, sp, xq, 4 * g, yp, N);
   });
   for (int64_t n = N / 4 * 4; n < N; ++n) q8_group<1>(wp, sp, xq, n, yp, N);
+#endif
   return y;
 }
+
+#if VNNI512
+// int4 with AVX-512 VNNI: as q8_tile, R rows x TB tokens at once. 64 bytes of a row are 128
+// columns, four blocks: their low nibbles are blocks 4c and 4c+2 (lanes 0-7 and 8-15 of `lo`),
+// the high ones 4c+1 and 4c+3 (`hi`). Each half's integer sums are multiplied by the row's
+// group scale times the token's block scale; the zeros' term (zero_g times the group's sum of
+// xq) is one more chain, added at the end.
+template <int R, int TB>
+void q4_tile(const uint8_t* w, const at::Half* scales, const at::Half* zeros, int64_t G8, int gshift,
+             const QuantizedX& x, const float* xsum, int64_t n, int64_t t0, float* y, int64_t N) {
+  const int64_t K = x.K, KB = x.KB;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i lanes02 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i lanes13 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+  // the group of block 4c + i is group (4c >> gshift) + off[i]; a row's scales for the chunk are
+  // its `span` groups from there
+  const __m512i lanes01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i slo = gshift == 0 ? lanes02 : gshift == 1 ? lanes01 : _mm512_setzero_si512();
+  const __m512i shi = gshift == 0 ? lanes13 : slo;
+  const int span = gshift == 0 ? 4 : gshift == 1 ? 2 : 1;
+  __m512 acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+  auto chunk = [&](int64_t c, bool whole) {  // columns 128c.. (whole: 4 blocks; else 4c and 4c+1)
+    __m512i wlo[R], whi[R];
+    __m512 sl[R], sh[R];
+    const int64_t g0 = (4 * c) >> gshift;
+    const __mmask8 smask = static_cast<__mmask8>((1u << std::min<int64_t>(span, G8 - g0)) - 1);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wr = w + (n + r) * (K / 2) + 64 * c;
+      __m512i v = _mm512_maskz_loadu_epi8(whole ? ~0ULL : 0xffffffffULL, wr);
+      wlo[r] = _mm512_and_si512(v, low);
+      whi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      __m512 s4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16(smask, scales + (n + r) * G8 + g0)));
+      sl[r] = _mm512_permutexvar_ps(slo, s4);
+      sh[r] = _mm512_permutexvar_ps(shi, s4);
+      _mm_prefetch(reinterpret_cast<const char*>(wr + PREFETCH_ROWS * (K / 2)), _MM_HINT_T1);
+    }
+    for (int t = 0; t < TB; ++t) {
+      const int8_t* xq = x.q.data() + (t0 + t) * K + 128 * c;
+      __m256i x0 = load32(xq), x1 = load32(xq + 32);
+      __m512i xl = _mm512_zextsi256_si512(x0), xh = _mm512_zextsi256_si512(x1);
+      if (whole) {
+        xl = _mm512_inserti64x4(xl, load32(xq + 64), 1);
+        xh = _mm512_inserti64x4(xh, load32(xq + 96), 1);
+      }
+      __m512 d4 = _mm512_castps128_ps512(_mm_maskz_loadu_ps(whole ? 0xf : 0x3, x.d.data() + (t0 + t) * KB + 4 * c));
+      __m512 dl = _mm512_permutexvar_ps(lanes02, d4), dh = _mm512_permutexvar_ps(lanes13, d4);
+      for (int r = 0; r < R; ++r) {
+        __m512i pl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[r], xl);
+        __m512i ph = _mm512_dpbusd_epi32(_mm512_setzero_si512(), whi[r], xh);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pl), _mm512_mul_ps(sl[r], dl), acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ph), _mm512_mul_ps(sh[r], dh), acc[r][t]);
+      }
+    }
+  };
+  int64_t c = 0;
+  for (; 4 * c + 4 <= KB; ++c) chunk(c, true);
+  if (4 * c < KB) chunk(c, false);
+  for (int r = 0; r < R; ++r) {
+    const uint16_t* z16 = reinterpret_cast<const uint16_t*>(zeros + (n + r) * G8);
+    for (int t = 0; t < TB; ++t) {
+      const float* xs = xsum + (t0 + t) * G8;
+      __m256 z = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G8; g += 8)
+        z = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z16 + g))),
+                            _mm256_loadu_ps(xs + g), z);
+      y[(t0 + t) * N + n + r] = _mm512_reduce_add_ps(acc[r][t]) + hsum(z);
+    }
+  }
+}
+
+template <int R>
+void q4_rows(const uint8_t* w, const at::Half* scales, const at::Half* zeros, int64_t G8, int gshift,
+             const QuantizedX& x, const float* xsum, int64_t n, float* y, int64_t N) {
+  int64_t blocks = (x.T + 3) / 4;
+  for (int64_t t0 = 0; t0 < x.T; --blocks) {
+    int64_t tb = std::min<int64_t>((x.T - t0 + blocks - 1) / blocks, 4);
+    switch (tb) {
+      case 1: q4_tile<R, 1>(w, scales, zeros, G8, gshift, x, xsum, n, t0, y, N); break;
+      case 2: q4_tile<R, 2>(w, scales, zeros, G8, gshift, x, xsum, n, t0, y, N); break;
+      case 3: q4_tile<R, 3>(w, scales, zeros, G8, gshift, x, xsum, n, t0, y, N); break;
+      default: q4_tile<R, 4>(w, scales, zeros, G8, gshift, x, xsum, n, t0, y, N); break;
+    }
+    t0 += tb;
+  }
+}
+#endif
 
 // w: uint8 (N, K / 2) as q4_group reads it, K a multiple of 64; scales, zeros: float16 (N, G8) with
 // G8 >= K / groupsize a multiple of 8 (the padding is zeros)
@@ -391,12 +569,19 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const at::Half* sp = scales.data_ptr<at::Half>();
   const at::Half* zp = zeros.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
+#if VNNI512
+  at::parallel_for(0, N / 4, std::max<int64_t>(1, 32768 / K), [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) q4_rows<4>(wp, sp, zp, G8, gshift, xq, xsum.data(), 4 * g, yp, N);
+  });
+  for (int64_t n = N / 4 * 4; n < N; ++n) q4_rows<1>(wp, sp, zp, G8, gshift, xq, xsum.data(), n, yp, N);
+#else
   at::parallel_for(0, N / 4, std::max<int64_t>(1, 32768 / K), [&](int64_t b, int64_t e) {
     std::vector<float> sc(4 * xq.KB);
     for (int64_t g = b; g < e; ++g) q4_group<4>(wp, sp, zp, G8, gshift, xq, xsum.data(), 4 * g, yp, N, sc.data());
   });
   std::vector<float> sc(xq.KB);
   for (int64_t n = N / 4 * 4; n < N; ++n) q4_group<1>(wp, sp, zp, G8, gshift, xq, xsum.data(), n, yp, N, sc.data());
+#endif
   return y;
 }
 
