@@ -10,6 +10,7 @@
 #include <vector>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -359,6 +360,22 @@ void q4_group(const uint8_t* w, const at::Half* scales, const at::Half* zeros, i
 }
 
 #if VNNI512
+// tile(t0, tb) over tokens 0..T in near-equal blocks of tb <= 4 tokens, tb a compile-time constant
+template <typename F>
+void token_blocks(int64_t T, const F& tile) {
+  int64_t blocks = (T + 3) / 4;
+  for (int64_t t0 = 0; t0 < T; --blocks) {
+    int64_t tb = std::min<int64_t>((T - t0 + blocks - 1) / blocks, 4);
+    switch (tb) {
+      case 1: tile(t0, std::integral_constant<int, 1>{}); break;
+      case 2: tile(t0, std::integral_constant<int, 2>{}); break;
+      case 3: tile(t0, std::integral_constant<int, 3>{}); break;
+      default: tile(t0, std::integral_constant<int, 4>{}); break;
+    }
+    t0 += tb;
+  }
+}
+
 // int8 with AVX-512 VNNI: R rows x TB tokens at once, 64 columns (two blocks) per step in 16
 // lanes: lanes 0-7 sum block 2c's products and 8-15 block 2c+1's, each weight vector loaded once
 // for the TB tokens and each activation vector once for the R rows. vpdpbusd wants one unsigned
@@ -399,7 +416,7 @@ void q8_tile(const int8_t* w, const int32_t* starts, const float* scale, const Q
     for (int t = 0; t < TB; ++t) y[(t0 + t) * N + n + r] = _mm512_reduce_add_ps(acc[r][t]) * scale[n + r];
 }
 
-// rows n..n+R for every token, in near-equal blocks of at most 4 tokens; starts: scratch for
+// rows n..n+R for every token, in blocks of at most 4 tokens; starts: scratch for
 // R * 16 * ceil(KB / 2) int32, the rows' -128 * (w's sums) per chunk, made once for all blocks
 template <int R>
 void q8_rows(const int8_t* w, const float* scale, const QuantizedX& x, int64_t n, float* y, int64_t N,
@@ -411,17 +428,7 @@ void q8_rows(const int8_t* w, const float* scale, const QuantizedX& x, int64_t n
       __m512i wv = _mm512_maskz_loadu_epi8(2 * c + 2 <= KB ? ~0ULL : 0xffffffffULL, w + (n + r) * K + 64 * c);
       _mm512_storeu_si512(starts + (r * C + c) * 16, _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, wv)));
     }
-  int64_t blocks = (x.T + 3) / 4;
-  for (int64_t t0 = 0; t0 < x.T; --blocks) {
-    int64_t tb = std::min<int64_t>((x.T - t0 + blocks - 1) / blocks, 4);
-    switch (tb) {
-      case 1: q8_tile<R, 1>(w, starts, scale, x, n, t0, y, N); break;
-      case 2: q8_tile<R, 2>(w, starts, scale, x, n, t0, y, N); break;
-      case 3: q8_tile<R, 3>(w, starts, scale, x, n, t0, y, N); break;
-      default: q8_tile<R, 4>(w, starts, scale, x, n, t0, y, N); break;
-    }
-    t0 += tb;
-  }
+  token_blocks(x.T, [&](int64_t t0, auto tb) { q8_tile<R, decltype(tb)::value>(w, starts, scale, x, n, t0, y, N); });
 }
 #endif
 
@@ -531,17 +538,9 @@ void q4_tile(const uint8_t* w, const at::Half* scales, const at::Half* zeros, in
 template <int R>
 void q4_rows(const uint8_t* w, const at::Half* scales, const at::Half* zeros, int64_t G8, int gshift,
              const QuantizedX& x, const float* xsum, int64_t n, float* y, int64_t N) {
-  int64_t blocks = (x.T + 3) / 4;
-  for (int64_t t0 = 0; t0 < x.T; --blocks) {
-    int64_t tb = std::min<int64_t>((x.T - t0 + blocks - 1) / blocks, 4);
-    switch (tb) {
-      case 1: q4_tile<R, 1>(w, scales, zeros, G8, gshift, x, xsum, n, t0, y, N); break;
-      case 2: q4_tile<R, 2>(w, scales, zeros, G8, gshift, x, xsum, n, t0, y, N); break;
-      case 3: q4_tile<R, 3>(w, scales, zeros, G8, gshift, x, xsum, n, t0, y, N); break;
-      default: q4_tile<R, 4>(w, scales, zeros, G8, gshift, x, xsum, n, t0, y, N); break;
-    }
-    t0 += tb;
-  }
+  token_blocks(x.T, [&](int64_t t0, auto tb) {
+    q4_tile<R, decltype(tb)::value>(w, scales, zeros, G8, gshift, x, xsum, n, t0, y, N);
+  });
 }
 #endif
 

@@ -11,6 +11,7 @@ import quantize
 from conftest import TEST_DEVICE, random_model
 from engine import BatchEngine, Engine, QueueFull, Request, Sampling, sample_rows
 from errors import UserError
+from model import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,11 +71,16 @@ def test_wide_steps_as_alone():
     tokens as many as decoding rows), and still each request's greedy tokens are its solo run's."""
     model = random_model(device=TEST_DEVICE)
     ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 90))]
-    want = [alone(model, p, 24) for p in ps]
-    engine = BatchEngine(kernels.install(copy.deepcopy(model)), max_batch_size=13, max_seq_length=128,
-                         compile=True, prefill_chunk=16)
+    assert_wide_steps_as_alone(model, kernels.install(copy.deepcopy(model)), ps, 24)
+
+
+def assert_wide_steps_as_alone(solo: Transformer, served: Transformer, ps: list, n: int):
+    """11 prompts at once and 2 more at step 6 through a compiled BatchEngine on `served`: each
+    request's greedy tokens are its solo run's on `solo`, and a step took more than 16 rows."""
+    want = [alone(solo, p, n) for p in ps]
+    engine = BatchEngine(served, max_batch_size=13, max_seq_length=128, compile=True, prefill_chunk=16)
     widths = record_widths(engine)
-    reqs = [Request(p, 24) for p in ps]
+    reqs = [Request(p, n) for p in ps]
     run_all(engine, {0: reqs[:11], 6: reqs[11:]})
     assert [r.out for r in reqs] == want
     if kernels.available():
@@ -92,14 +98,7 @@ def test_quantized_wide_steps_as_alone(tmp_path):
     model = load_model(tmp_path / "int8", TEST_DEVICE)
     # prompts that the solo run also feeds through the loops (a longer one, dequantized weights)
     ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 5 + quantize.LOOP_MAX_TOKENS))]
-    want = [alone(model, p, 16) for p in ps]
-    engine = BatchEngine(model, max_batch_size=13, max_seq_length=128, compile=True, prefill_chunk=16)
-    widths = record_widths(engine)
-    reqs = [Request(p, 16) for p in ps]
-    run_all(engine, {0: reqs[:11], 6: reqs[11:]})
-    assert [r.out for r in reqs] == want
-    if kernels.available():
-        assert max(widths) > 16, widths
+    assert_wide_steps_as_alone(model, model, ps, 16)
 
 
 def test_warm_up_compiles_every_step_shape():
