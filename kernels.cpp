@@ -615,146 +615,65 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// Lane i of the result is the sum of the lanes of a[SLOT[i]]: every sum adds its lanes in the same
-// order (l with l + 4, then with l + 2, then with l + 1), so a score does not depend on its lane.
-constexpr int SLOT[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-inline __m256 hsum8(const __m256* a) {
-  __m256 b[4], c[2];
-  for (int i = 0; i < 4; ++i)  // [a.lo + a.hi, b.lo + b.hi] of each pair
-    b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// The queries of one KV head that read the same keys (a head's query group; with continuous
-// batching, every row of one prompt in a step): each key is read from memory once for all of
-// them. out_i = softmax(scale * q_i.k_j (soft-capped) + m_i[j]) . v_j over the keys j that
-// m_i allows. Each query's arithmetic is the same whatever the others: its bits do not depend on
-// which rows share the step. D % 8 == 0.
-struct AttendScratch {  // reused between the blocks one thread takes
-  std::vector<float> scores, inv;
-  std::vector<int64_t> lo, hi;
-};
-
+// One query row: out = softmax(scale * q.k_j (soft-capped) + m_j) . v_j over keys j, D % 8 == 0.
 template <typename KV>
-void attend_block(const float* const* q, const float* const* m, float* const* out, int nq, const KV* k,
-                  const KV* v, int64_t ks, int64_t S, int64_t D, float scale, float softcap, AttendScratch& z) {
+void attend_row(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs, const float* m, int64_t S,
+                int64_t D, float scale, float softcap, float* out, float* p) {
   const float NEG = -std::numeric_limits<float>::infinity();
-  z.lo.resize(nq), z.hi.resize(nq), z.inv.resize(nq);
-  int64_t* lo = z.lo.data();
-  int64_t* hi = z.hi.data();
-  int64_t first = S, last = 0;  // the keys query i's mask allows lie in [lo[i], hi[i])
-  for (int i = 0; i < nq; ++i) {
-    int64_t a = 0, b = S;
-    while (a < b && m[i][a] == NEG) ++a;
-    while (b > a && m[i][b - 1] == NEG) --b;
-    lo[i] = a, hi[i] = b;
-    if (a < b) first = std::min(first, a), last = std::max(last, b);
+  int64_t lo = 0, hi = S;  // the keys the mask allows lie in [lo, hi)
+  while (lo < hi && m[lo] == NEG) ++lo;
+  while (hi > lo && m[hi - 1] == NEG) --hi;
+  float mx = NEG;
+  for (int64_t j = lo; j < hi; ++j) {
+    if (m[j] == NEG) { p[j - lo] = NEG; continue; }
+    const KV* kj = k + j * ks;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(kj + d + 8), a1);
+    }
+    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a0);
+    float s = hsum(_mm256_add_ps(a0, a1)) * scale;
+    if (softcap > 0) s = std::tanh(s / softcap) * softcap;
+    s += m[j];
+    p[j - lo] = s;
+    mx = std::max(mx, s);
   }
-  const int64_t n = std::max<int64_t>(last - first, 0);
-  z.scores.resize(nq * n + 8);
-  float* sc = z.scores.data();
-  const __m256 vscale = _mm256_set1_ps(scale);
-  // scores, 8 keys at a time: each tile of keys is read once and stays in L1 for every query; a
-  // key the mask hides gets -inf from the mask itself
-  for (int64_t j0 = first; j0 < last; j0 += 8) {
-    const KV* kj[8];
-    for (int jj = 0; jj < 8; ++jj) kj[jj] = k + std::min(j0 + jj, last - 1) * ks;  // the tail repeats a key
-    const int64_t w = std::min<int64_t>(8, last - j0);
-    for (int i = 0; i < nq; ++i) {
-      float* s = sc + i * n + (j0 - first);
-      if (j0 + 8 <= lo[i] || j0 >= hi[i]) {
-        std::fill(s, s + w, NEG);
-        continue;
-      }
-      __m256 acc[8];
-      for (auto& a : acc) a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 qd = _mm256_loadu_ps(q[i] + d);
-        for (int jj = 0; jj < 8; ++jj) acc[SLOT[jj]] = _mm256_fmadd_ps(qd, load8(kj[jj] + d), acc[SLOT[jj]]);
-      }
-      __m256 x = _mm256_mul_ps(hsum8(acc), vscale);
-      if (softcap > 0) {
-        alignas(32) float t[8];
-        _mm256_store_ps(t, x);
-        for (float& e : t) e = std::tanh(e / softcap) * softcap;
-        x = _mm256_load_ps(t);
-      }
-      if (w == 8) {
-        _mm256_storeu_ps(s, _mm256_add_ps(x, _mm256_loadu_ps(m[i] + j0)));
-      } else {
-        alignas(32) float t[8];
-        _mm256_store_ps(t, x);
-        for (int jj = 0; jj < w; ++jj) s[jj] = t[jj] + m[i][j0 + jj];
-      }
-    }
+  int64_t n = hi - lo, j = 0;
+  __m256 total = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(p + j, e);
+    total = _mm256_add_ps(total, e);
   }
-  // softmax over each query's own keys (in chunks from its first key, as alone), zeros elsewhere
-  for (int i = 0; i < nq; ++i) {
-    float* row = sc + i * n;
-    if (lo[i] >= hi[i]) {
-      std::fill(row, row + n, 0.f);
-      z.inv[i] = 0.f;
-      continue;
-    }
-    float* p = row + (lo[i] - first);
-    const int64_t ni = hi[i] - lo[i];
-    int64_t j = 0;
-    __m256 vmx = _mm256_set1_ps(NEG);
-    for (; j + 8 <= ni; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(p + j));
-    alignas(32) float t[8];
-    _mm256_store_ps(t, vmx);
-    float mx = NEG;
-    for (float e : t) mx = std::max(mx, e);
-    for (; j < ni; ++j) mx = std::max(mx, p[j]);
-    __m256 total = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= ni; j += 8) {
-      __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(mx)));
-      _mm256_storeu_ps(p + j, e);
-      total = _mm256_add_ps(total, e);
-    }
-    float sum = hsum(total);
-    for (; j < ni; ++j) {  // the tail, through the same vector code
-      float e = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(p[j] - mx)));
-      p[j] = e;
-      sum += e;
-    }
-    z.inv[i] = 1.f / sum;
-    std::fill(row, p, 0.f);
-    std::fill(p + ni, row + n, 0.f);
+  float sum = hsum(total);
+  for (; j < n; ++j) {  // the tail, through the same vector code
+    float e = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(p[j] - mx)));
+    p[j] = e;
+    sum += e;
   }
-  // out_i = sum_j p_ij v_j, in key order, two queries and 32 columns at a time: a key's values are
-  // read once for both (a weight of 0, a key the query does not see, adds nothing)
-  for (int i0 = 0; i0 < nq; i0 += 2) {
-    const int pair = std::min(2, nq - i0);
-    const float* p0 = sc + i0 * n;
-    const float* p1 = pair == 2 ? p0 + n : p0;
-    int64_t a = std::max(std::min(lo[i0], lo[i0 + pair - 1]), first);
-    int64_t b = std::min(std::max(hi[i0], hi[i0 + pair - 1]), last);
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      const int w = static_cast<int>(std::min<int64_t>(32, D - d0)) / 8;
-      __m256 acc0[4], acc1[4];
-      for (int c = 0; c < 4; ++c) acc0[c] = acc1[c] = _mm256_setzero_ps();
-      for (int64_t j = a; j < b; ++j) {
-        float w0 = p0[j - first], w1 = p1[j - first];
-        if (w0 == 0.f && w1 == 0.f) continue;
-        const KV* vj = v + j * ks + d0;
-        __m256 b0 = _mm256_set1_ps(w0), b1 = _mm256_set1_ps(w1);
-        for (int c = 0; c < w; ++c) {
-          __m256 x = load8(vj + 8 * c);
-          acc0[c] = _mm256_fmadd_ps(b0, x, acc0[c]);
-          acc1[c] = _mm256_fmadd_ps(b1, x, acc1[c]);
-        }
-      }
-      for (int c = 0; c < w; ++c) {
-        _mm256_storeu_ps(out[i0] + d0 + 8 * c, _mm256_mul_ps(acc0[c], _mm256_set1_ps(z.inv[i0])));
-        if (pair == 2) _mm256_storeu_ps(out[i0 + 1] + d0 + 8 * c, _mm256_mul_ps(acc1[c], _mm256_set1_ps(z.inv[i0 + 1])));
+  const __m256 inv = _mm256_set1_ps(n > 0 ? 1.f / sum : 0.f);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 accumulators of the output at a time
+    int64_t w = std::min<int64_t>(64, D - d0) / 8;
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t jj = 0; jj < n; ++jj) {
+      if (p[jj] == 0.f) continue;
+      const KV* vj = v + (lo + jj) * vs + d0;
+      __m256 pj = _mm256_set1_ps(p[jj]);
+      switch (w) {  // named registers: an indexed loop would keep them on the stack
+        case 8: acc[7] = _mm256_fmadd_ps(pj, load8(vj + 56), acc[7]); [[fallthrough]];
+        case 7: acc[6] = _mm256_fmadd_ps(pj, load8(vj + 48), acc[6]); [[fallthrough]];
+        case 6: acc[5] = _mm256_fmadd_ps(pj, load8(vj + 40), acc[5]); [[fallthrough]];
+        case 5: acc[4] = _mm256_fmadd_ps(pj, load8(vj + 32), acc[4]); [[fallthrough]];
+        case 4: acc[3] = _mm256_fmadd_ps(pj, load8(vj + 24), acc[3]); [[fallthrough]];
+        case 3: acc[2] = _mm256_fmadd_ps(pj, load8(vj + 16), acc[2]); [[fallthrough]];
+        case 2: acc[1] = _mm256_fmadd_ps(pj, load8(vj + 8), acc[1]); [[fallthrough]];
+        case 1: acc[0] = _mm256_fmadd_ps(pj, load8(vj), acc[0]);
       }
     }
+    for (int i = 0; i < w; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], inv));
   }
 }
 
@@ -775,46 +694,26 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t* rp = rows.has_value() ? rc.data_ptr<int64_t>() : nullptr;
   for (int64_t b = 0; rp && b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "attend: row out of range");
   TORCH_CHECK((rows.has_value() || k.size(0) == B) && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes() && D % 8 == 0 &&
-              k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == v.stride(2) &&
-              mask.size(0) == B && mask.size(3) == S && R % T == 0, "attend: shapes");
+              k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == v.stride(2) && mask.size(0) == B &&
+              mask.size(3) == S && R % T == 0, "attend: shapes");
   auto qc = q.contiguous();
   auto mc = mask.contiguous();
   auto out = at::empty({B, H, R, D}, q.options());
   const float* qp = qc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // blocks of consecutive batch rows on one cache row (the rows of one prompt), at most 8 rows, so
-  // that a long prompt's block still splits between the threads
-  constexpr int64_t BLOCK_ROWS = 8;
-  std::vector<int64_t> starts;
-  for (int64_t b = 0; b < B; ++b)
-    if (b == 0 || !rp || rp[b] != rp[b - 1] || b - starts.back() == BLOCK_ROWS) starts.push_back(b);
-  starts.push_back(B);
-  const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
-  // a block's queries split further where there are fewer blocks than threads (one decode row)
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(R, (2 * at::get_num_threads() + blocks * H - 1) / (blocks * H)));
-  auto run = [&](auto* kp, auto* vp, int64_t i0, int64_t i1) {
-    AttendScratch scratch;
-    std::vector<const float*> qs, ms;
-    std::vector<float*> os;
-    for (int64_t i = i0; i < i1; ++i) {
-      int64_t blk = i / (H * parts), h = i / parts % H, part = i % parts;
-      int64_t b0 = starts[blk], b1 = starts[blk + 1], row = rp ? rp[b0] : b0;
-      int64_t nq = (b1 - b0) * R, q0 = nq * part / parts, q1 = nq * (part + 1) / parts;
-      qs.clear(), ms.clear(), os.clear();
-      for (int64_t x = q0; x < q1; ++x) {
-        int64_t b = b0 + x / R, r = x % R, at = (b * H + h) * R + r;
-        qs.push_back(qp + at * D), os.push_back(op + at * D), ms.push_back(mp + (b * T + r % T) * S);
-      }
-      if (qs.empty()) continue;
-      attend_block(qs.data(), ms.data(), os.data(), static_cast<int>(qs.size()), kp + row * k.stride(0) + h * k.stride(1),
-                   vp + row * v.stride(0) + h * v.stride(1), k.stride(2), S, D, static_cast<float>(scale),
-                   static_cast<float>(softcap), scratch);
+  auto run = [&](auto* kp, auto* vp, int64_t r0, int64_t r1) {
+    std::vector<float> p(S);
+    for (int64_t i = r0; i < r1; ++i) {
+      int64_t b = i / (H * R), h = (i / R) % H, r = i % R, row = rp ? rp[b] : b;
+      attend_row(qp + i * D, kp + row * k.stride(0) + h * k.stride(1), k.stride(2), vp + row * v.stride(0) + h * v.stride(1),
+                 v.stride(2), mp + (b * T + r % T) * S, S, D, static_cast<float>(scale), static_cast<float>(softcap),
+                 op + i * D, p.data());
     }
   };
-  at::parallel_for(0, blocks * H * parts, 1, [&](int64_t i0, int64_t i1) {
-    if (k.scalar_type() == at::kFloat) run(k.data_ptr<float>(), v.data_ptr<float>(), i0, i1);
-    else run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), i0, i1);
+  at::parallel_for(0, B * H * R, 1, [&](int64_t r0, int64_t r1) {
+    if (k.scalar_type() == at::kFloat) run(k.data_ptr<float>(), v.data_ptr<float>(), r0, r1);
+    else run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), r0, r1);
   });
   return out;
 }

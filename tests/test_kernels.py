@@ -99,43 +99,6 @@ def test_integer_loops_give_a_token_the_same_bits_whatever_the_other_tokens():
         assert torch.equal(kernels.q4_linear(x[a:b], q4, s4, z4, 32), full4[a:b]), (a, b)
 
 
-
-@pytest.mark.parametrize("kv_dtype,softcap", [(torch.float32, 0.0), (torch.bfloat16, 30.0)])
-def test_attend_gives_a_query_the_same_bits_whatever_the_rows_beside_it(kv_dtype, softcap):
-    # a step's rows of one prompt read their keys as one block, a decode row alone: a query's
-    # output must not depend on that, nor on how many threads split the block
-    if not kernels.available():
-        pytest.fail("kernels.attend could not be built here")
-    g = torch.Generator().manual_seed(4)
-    H, group, D, S = 2, 3, 72, 300  # D not a multiple of 32: the value loop's narrower tail
-    k, v = (torch.randn(3, H, S, D, generator=g).to(kv_dtype) for _ in range(2))
-    # rows 0-10: one prompt on cache row 1 at positions 150..160; row 11: a decode row on cache row 2;
-    # rows 12-13: two tokens of another prompt on cache row 0, the second behind a sliding window
-    rows = torch.tensor([1] * 11 + [2, 0, 0])
-    B = len(rows)
-    q = torch.randn(B, H, group, D, generator=g)
-    mask = torch.full((B, 1, 1, S), float("-inf"))
-    for b in range(11):
-        mask[b, 0, 0, :151 + b] = 0
-    mask[11, 0, 0, :37] = 0
-    mask[12, 0, 0, :9] = 0
-    mask[13, 0, 0, 3:10] = 0
-    full = kernels.attend(q, k, v, mask, 0.125, softcap, rows)
-    for a, b in [(0, 1), (3, 4), (10, 12), (2, 9), (11, 12), (12, 14), (13, 14)]:
-        assert torch.equal(kernels.attend(q[a:b], k, v, mask[a:b], 0.125, softcap, rows[a:b]), full[a:b]), (a, b)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(kernels.attend(q, k, v, mask, 0.125, softcap, rows), full)
-    finally:
-        torch.set_num_threads(threads)
-    scores = torch.einsum("bhgd,bhsd->bhgs", q.double(), k[rows].double()) * 0.125
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    ref = torch.einsum("bhgs,bhsd->bhgd", torch.softmax(scores + mask.double(), -1), v[rows].double())
-    torch.testing.assert_close(full.double(), ref, atol=1e-5, rtol=1e-5)
-
-
 def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
     torch.manual_seed(0)
     lin = kernels.CpuLinear(64, 48, bias=True)
