@@ -5,6 +5,9 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 MODEL := checkpoints/smollm2-135m
+# test files run side by side (pytest-xdist, each file in one worker): many tests wait on servers,
+# torchrun jobs and command lines, so two workers on 2 cores take about two thirds of the time
+TEST_WORKERS ?= 2
 PROMPT ?= Explain in three sentences why the sky is blue.
 
 .PHONY: demo serve test test-slow bench setup setup-test clean
@@ -35,10 +38,10 @@ serve: $(MODEL)/config.json
 	$(BIN)/python serve.py --checkpoint $(MODEL)
 
 test: $(VENV)/.installed-test $(MODEL)/config.json
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(VENV)/.installed-test $(MODEL)/config.json
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(VENV)/.installed-test $(MODEL)/config.json
 	$(BIN)/python -m scripts.bench

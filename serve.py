@@ -910,10 +910,11 @@ def check_context(args, config):
 
 def warm_up(engine: BatchEngine):
     """Compile the decode step before serving: runs on the scratch row, for two batch sizes (one
-    with prompt rows, which need no logits) and two cache lengths, so that the compiled graph is
-    general in all three before the first request; then for steps of as many rows, and as many
-    logits, as make the float products change kernels (kernels.ONEDNN_MIN_TOKENS), which compile
-    apart (a request would otherwise wait for the compiler in the middle of serving)."""
+    with prompt rows, which need no logits) and two cache lengths, the second step changing all
+    three at once so that one recompile makes the graph general in them before the first request;
+    then for steps of as many rows, and as many logits, as make the float products change kernels
+    (kernels.ONEDNN_MIN_TOKENS), which compile apart (a request would otherwise wait for the
+    compiler in the middle of serving). Each graph costs about 90 s cold on 2 cores."""
     if engine.decode is decode_logits:  # not compiled
         return
     start = time.perf_counter()
@@ -925,7 +926,7 @@ def warm_up(engine: BatchEngine):
 
     # a prompt chunk of two tokens: one more logit-less row
     grow = (engine.min_rows, 2) if fused else (min(engine.min_rows + 1, B + 1), 0)
-    plans = [step(engine.min_rows, 0, 0), step(*grow, 0), step(*grow, min(200, engine.max_seq_length - 3))]
+    plans = [step(engine.min_rows, 0, 0), step(*grow, min(200, engine.max_seq_length - 3)), step(*grow, 0)]
     wide = kernels.ONEDNN_MIN_TOKENS.get(engine.model.norm.weight.dtype, 16)
     pos = max(0, engine.max_seq_length - wide - 1)
     if fused >= wide:  # many rows, few logits: prompt tokens beside a few streams

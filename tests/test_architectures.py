@@ -329,7 +329,8 @@ def test_moe_compiled_equals_eager(variant):
 # (mode, bound on each expert's weight error, on the logits' error); a dense model of this shape
 # is as far from float: int8 ~0.022, int4 ~0.2
 @pytest.mark.parametrize("mode, weight_bound, bound, variant", [
-    ("int8", 0.01, 0.03, {}), ("int4", 0.15, 0.3, {}), ("int8", 0.01, 0.03, GPT_OSS)], ids=["int8", "int4", "int8-gpt_oss"])
+    ("int8", 0.01, 0.03, {}), ("int4", 0.15, 0.3, {}),
+    pytest.param("int8", 0.01, 0.03, GPT_OSS, marks=pytest.mark.slow)], ids=["int8", "int4", "int8-gpt_oss"])
 def test_moe_quantized_experts_within_bound(mode, weight_bound, bound, variant, tmp_path):
     """quantize.py stores every expert in the mode's format; the loaded model's logits stay within
     the scheme's bound of float (as tests/test_quantize.py's), and compiled decodes as eager."""

@@ -67,11 +67,12 @@ def sampled(smol, prompt, grammar, n, max_new_tokens):
     return [tok.decode([t for t in o if t not in tok.eos_ids]) for o in outs], stats.finish_reasons
 
 
+@pytest.mark.parametrize("n", [20, pytest.param(100, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("i", range(len(SCHEMAS)))
-def test_sampled_json_validates_against_its_schema(smol, i):
+def test_sampled_json_validates_against_its_schema(smol, i, n):
     grammar = smol[2].compile("json_schema", SCHEMAS[i])
-    texts, reasons = sampled(smol, chat(smol[1], "Answer in JSON."), grammar, 50, 96)
-    assert reasons == ["stop"] * 50, [t for t, r in zip(texts, reasons) if r != "stop"][:3]
+    texts, reasons = sampled(smol, chat(smol[1], "Answer in JSON."), grammar, n, 96)
+    assert reasons == ["stop"] * n, [t for t, r in zip(texts, reasons) if r != "stop"][:3]
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMAS[i])
 
