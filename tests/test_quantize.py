@@ -290,17 +290,32 @@ def smollm2_quantized(tmp_path_factory, smollm2_dir):
     return outs
 
 
+SHORT_PROMPTS = ["The quick brown fox jumps over the lazy dog because it wanted to",
+                 "Once upon a time, in a land far away, there lived a",
+                 "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+                 "The capital of France is Paris, and the capital of Germany is",
+                 "In 1492 Columbus sailed the ocean blue, and then he",
+                 "Water boils at one hundred degrees Celsius when the pressure is",
+                 "My favourite recipe for a chocolate cake starts with",
+                 "The theory of relativity was developed by Albert Einstein, who"]
+
+
 def test_smollm2_quantized_sizes_and_logits(smollm2_dir, smollm2_quantized, one_thread):
-    """Sizes of the issue's targets, and logits close to float (bound per scheme)."""
+    """Sizes of the issue's targets, and logits close to float over 8 short prompts (~100
+    positions: a bound on one prompt's 13 would move with a single near-tie)."""
     from engine import load_model
     from tokenizer import Tokenizer
     float_bytes = (smollm2_dir / "model.safetensors").stat().st_size
     limits = {"int8": 0.30, "int4": 0.18}
-    ids = Tokenizer(smollm2_dir).encode("The quick brown fox jumps over the lazy dog because it wanted to")
-    ref = load_model(smollm2_dir)
-    ref.setup_caches(1, 64)
-    with torch.no_grad():
-        lf = ref(torch.tensor([ids]), torch.arange(len(ids)))
+    tok = Tokenizer(smollm2_dir)
+    prompts = [tok.encode(p)[:16] for p in SHORT_PROMPTS]
+
+    def logits(m) -> list:
+        m.setup_caches(1, 64)
+        with torch.no_grad():
+            return [m(torch.tensor([ids]), torch.arange(len(ids)))[0] for ids in prompts]
+
+    lf = logits(load_model(smollm2_dir))
     for mode, d in smollm2_quantized.items():
         assert (d / "model.safetensors").stat().st_size <= limits[mode] * float_bytes
         m = load_model(d)
@@ -311,13 +326,12 @@ def test_smollm2_quantized_sizes_and_logits(smollm2_dir, smollm2_quantized, one_
         packed = [p for n, p in m.named_parameters() if n.endswith((".packed", ".scales", ".zeros"))]
         assert len(packed) >= 2 * 5 * 30 and not any(p.requires_grad for p in packed)
         assert m.output.packed is m.tok_embeddings.packed and isinstance(m.output.packed, torch.nn.Parameter)
-        m.setup_caches(1, 64)
-        with torch.no_grad():
-            lq = m(torch.tensor([ids]), torch.arange(len(ids)))
-        rel = ((lq - lf).norm() / lf.norm()).item()
-        agree = (lq.argmax(-1) == lf.argmax(-1)).float().mean().item()
-        # a 13-token prompt goes through kernels.py, which rounds the activations to int8 too
-        assert rel < 0.08 and agree >= 0.8, (mode, rel, agree)
+        lq = logits(m)
+        rel = sum(((q - f).norm() / f.norm()).item() for q, f in zip(lq, lf)) / len(lf)
+        agree = torch.cat([q.argmax(-1) == f.argmax(-1) for q, f in zip(lq, lf)]).float().mean().item()
+        # prompts under 16 tokens go through kernels.py, which rounds the activations to int8 too;
+        # measured: int8 rel 0.05, agreement 0.91; int4 g32 0.04, 0.98
+        assert rel < 0.08 and agree >= 0.85, (mode, rel, agree)
 
 
 def test_generate_cli_on_quantized_checkpoint_matches_the_library(smollm2_quantized):

@@ -152,10 +152,22 @@ def test_tp2_allreduce_mode_matches_single_process(tp2, name):
 def test_tp2_allreduce_mode_with_int8_activations_is_only_close(tp2):
     """kernels.py rounds activations to int8: a partial sum that the all-reduce adds in another
     order can round an element a step differently, and the greedy tokens may part from there
-    (why exact is the default for quantized checkpoints)."""
+    (why exact is the default for quantized checkpoints). Until they part, the sharded logits stay
+    closer to one process's than that process's own int8 rounding takes them from float activations."""
     cases, results = tp2
-    name = "llama-int4-kernels-allreduce"
-    assert_matches_single_process(cases[name], results[name], atol=0.1, tokens=False)
+    case, result = cases["llama-int4-kernels-allreduce"], results["llama-int4-kernels-allreduce"]
+    ref = run_case(load_model(case["checkpoint"]), case["prompts"], case["steps"])
+    with kernels.switched_off():  # from the load on: the model takes its products' paths then
+        float_acts = run_case(load_model(case["checkpoint"]), case["prompts"], 1)
+    # the first decode step (the prompts are too many tokens for the int8 loops), on the same inputs
+    assert torch.equal(float_acts["tokens"][:, 0], ref["tokens"][:, 0])
+    rounding = (ref["logits"][1] - float_acts["logits"][1]).abs().max().item()
+    assert rounding > 0.05  # the int8 activations move this model's logits
+    for step, (a, b) in enumerate(zip(result["logits"], ref["logits"])):
+        diff = (a - b).abs().max().item()
+        assert diff <= rounding, f"logits of step {step} differ by {diff:.2e}, more than rounding's {rounding:.2e}"
+        if not torch.equal(result["tokens"][:, step], ref["tokens"][:, step]):
+            break  # the next step's inputs differ
 
 
 def test_tp2_compiled_decode_matches_single_process(tp2):
