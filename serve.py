@@ -27,6 +27,7 @@ treats a SIGTERM of its own as a failure and ends every rank at once).
 """
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -994,6 +995,10 @@ def main(argv=None):
         server.grammars()  # now rather than in the first constrained request
     except UserError as e:
         log(f"constrained output is off: {e}")
+    # loading and compiling leave ~700,000 objects that live as long as the server; frozen, the
+    # cyclic collector stops walking them (a full collection over them pauses every stream ~0.5 s)
+    gc.collect()
+    gc.freeze()
     log(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch_size} slots x "
         f"{args.max_seq_length} tokens)")
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
