@@ -165,6 +165,7 @@ def test_cuda_free_memory_is_mem_get_info(monkeypatch):
 
 
 def test_refusal_names_the_largest_need_both_figures_and_its_flag(monkeypatch):
+    monkeypatch.setattr(memory, "meminfo_available", lambda: 64 * 10**9)  # whatever else runs on the machine
     monkeypatch.setenv("MINILLM_AVAILABLE_MEMORY", str(20 * 10**9))
     needs = [Need("the weights", 2 * 10**9, "pass a smaller --dtype", " of x in float32"),
              Need("the KV cache", 3100 * 10**9, "lower --batch_size or --max_new_tokens", " for 100000 sequences"),

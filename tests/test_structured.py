@@ -77,10 +77,11 @@ def test_sampled_json_validates_against_its_schema(smol, i, n):
         jsonschema.validate(json.loads(text), SCHEMAS[i])
 
 
-def test_sampled_text_full_matches_each_regex(smol):
+@pytest.mark.parametrize("n", [20, pytest.param(100, marks=pytest.mark.slow)])
+def test_sampled_text_full_matches_each_regex(smol, n):
     for pattern in REGEXES:
-        texts, reasons = sampled(smol, chat(smol[1], "Say something."), smol[2].compile("regex", pattern), 50, 32)
-        assert reasons == ["stop"] * 50
+        texts, reasons = sampled(smol, chat(smol[1], "Say something."), smol[2].compile("regex", pattern), n, 32)
+        assert reasons == ["stop"] * n
         assert all(re.fullmatch(pattern, t) for t in texts), (pattern, texts[:5])
 
 
