@@ -213,6 +213,15 @@ def gemma3_dir() -> Path:
     return GEMMA3
 
 
+def test_gemma3_sentencepiece_tokenizer_fits_its_model(gemma3_dir):
+    """The real Gemma 3 checkpoint: its tokenizer passes engine.check_vocabulary."""
+    from engine import check_vocabulary, trained_context
+    from tokenizer import Tokenizer
+    config = ModelArgs.from_json(gemma3_dir / "config.json")
+    check_vocabulary(Tokenizer(gemma3_dir), config, gemma3_dir)
+    assert trained_context(config) == config.max_position_embeddings
+
+
 def gguf_path() -> Path:
     from download import fetch_gguf
     return fetch_gguf("gemma3-270m")
