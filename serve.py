@@ -915,7 +915,7 @@ def warm_up(engine: BatchEngine):
     three at once so that one recompile makes the graph general in them before the first request;
     then for steps of as many rows, and as many logits, as make the float products change kernels
     (kernels.ONEDNN_MIN_TOKENS), which compile apart (a request would otherwise wait for the
-    compiler in the middle of serving). Each graph costs about 90 s cold on 2 cores."""
+    compiler in the middle of serving)."""
     if engine.decode is decode_logits:  # not compiled
         return
     start = time.perf_counter()
