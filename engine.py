@@ -363,6 +363,9 @@ def decode_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, pad: Te
     return logits if sampling is None else sample(logits, sampling)
 
 
+COMPILE_MODES = ("default", "regional", "max")
+
+
 def compile_options(device: torch.device, compile_mode: str) -> dict:
     """torch.compile arguments for the decode step."""
     if device.type == "cuda":  # CUDA graphs remove the per-kernel launch cost
@@ -378,10 +381,35 @@ def compile_options(device: torch.device, compile_mode: str) -> dict:
         return {}
     # inductor's graph called from C++ rather than Python: a quantized step calls many kernels.py
     # operators, and the Python wrapper's per-call overhead shows. Not under tensor parallelism:
-    # the C++ wrapper cannot call the functional collectives.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    # the C++ wrapper cannot call the functional collectives; nor in regional mode: nor a region.
+    if compile_mode == "regional" or (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {}
     return {"options": {"cpp_wrapper": True}}
+
+
+def compile_step(fn: Callable, model: Transformer, compile_mode: str = "default", **options) -> Callable:
+    """torch.compile(fn, fullgraph=True) for a step fn(model, ...). compile_mode: default, one graph
+    of the whole step; regional, a step that calls one compiled layer for every layer alike (a
+    fraction of the compile time, a slightly slower step where per-call overhead shows: small
+    quantized models); max, see compile_options."""
+    if compile_mode not in COMPILE_MODES:
+        raise UserError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, not {compile_mode!r}")
+    if compile_mode == "regional":
+        # static shapes unless the caller says otherwise: in torch 2.13 a region reused in a graph
+        # made dynamic by a later recompile can fail to trace
+        options.setdefault("dynamic", False)
+    compiled = torch.compile(fn, fullgraph=True, **options, **compile_options(model.norm.weight.device, compile_mode))
+    if compile_mode != "regional":
+        return compiled
+
+    @functools.wraps(fn)
+    def regional(model: Transformer, *args, **kwargs):
+        model.regional = True  # read when the step is traced (and guarded): this step's layers only
+        try:
+            return compiled(model, *args, **kwargs)
+        finally:
+            model.regional = False
+    return regional
 
 
 def stance_skips_guards() -> bool:
@@ -509,8 +537,7 @@ class Engine(Generator):
         # kernels run asynchronously (CUDA), and costs one unused step when a row stops at EOS
         self.lookahead = self.device.type == "cuda"
         if compile:
-            self.decode_one_token = torch.compile(decode_one_token, fullgraph=True,
-                                                  **compile_options(self.device, compile_mode))
+            self.decode_one_token = compile_step(decode_one_token, model, compile_mode)
         if compile_prefill:
             self.prefill = torch.compile(prefill, dynamic=True, fullgraph=True)
         # forced tokens after a sampled one (jump-forward): a few tokens, compiled for any count
@@ -932,7 +959,7 @@ class BatchEngine:
         self.decode = decode_logits
         self.min_rows = 1
         if compile:
-            self.decode = torch.compile(decode_logits, fullgraph=True, **compile_options(self.device, compile_mode))
+            self.decode = compile_step(decode_logits, model, compile_mode, dynamic=None)  # rows and kv_len vary
             # a lone row would take the one-token kernels, other bits than beside others
             self.min_rows = min(2, max_batch_size + 1) if self.device.type == "cpu" else 1
         # Rows of one compiled step: while requests decode, prompt tokens ride in the same step

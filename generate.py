@@ -27,8 +27,8 @@ import torch
 import speculative
 import checkpoint
 from checkpoint import write_json
-from engine import (MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Sampling, check_sampling, check_vocabulary,
-                    load_model, log, meta_model, parse_device, parse_dtype, trained_context)
+from engine import (COMPILE_MODES, MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Sampling, check_sampling,
+                    check_vocabulary, load_model, log, meta_model, parse_device, parse_dtype, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
 from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, weight_bytes
@@ -154,8 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the decode step with torch.compile (default: on)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic shapes)")
-    p.add_argument("--compile_mode", choices=["default", "max"], default="default",
-                   help="max: on CPU, freeze the weights and let inductor generate its own GEMM kernels "
+    p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
+                   help="regional: compile one layer and reuse it for every layer alike (a fraction of the "
+                        "compile time; a slightly slower step on small quantized models); max: on CPU, freeze "
+                        "the weights and let inductor generate its own GEMM kernels "
                         "(fastest decode, especially in bfloat16, but every run compiles for minutes); "
                         "on CUDA, max-autotune")
     p.add_argument("--tp_mode", choices=TP_MODES, default="auto",

@@ -34,7 +34,6 @@ too. Where it cannot be built (no AVX2, no compiler) or when MINILLM_KERNELS=0, 
 is False and the layers use F.linear, SDPA and inductor.
 """
 import functools
-import itertools
 import os
 import sys
 import weakref
@@ -52,7 +51,8 @@ from model import Attention
 MAX_TOKENS = 16  # queries per attention call; a batch step of a quantized model fuses this many rows
 # tokens per small_linear call; from ONEDNN_MIN_TOKENS up, oneDNN's GEMM is faster (docs/benchmarks.md)
 LINEAR_MAX_TOKENS = 128
-ONEDNN_MIN_TOKENS = {torch.float32: 16, torch.bfloat16: 8}
+ONEDNN_MIN_TOKENS_F32, ONEDNN_MIN_TOKENS_BF16 = 16, 8
+ONEDNN_MIN_TOKENS = {torch.float32: ONEDNN_MIN_TOKENS_F32, torch.bfloat16: ONEDNN_MIN_TOKENS_BF16}
 PROMPT_QUERY_CHUNK = 128  # queries per SDPA call in a long prompt's attention (CpuAttention)
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
@@ -147,21 +147,25 @@ def small_linear(x: Tensor, w: Tensor) -> Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-# prepack's copies of weights in oneDNN's blocked layout, by the handle a CpuLinear keeps in
-# `packed` (an int: a compiled graph cannot take an opaque oneDNN tensor as an input)
+# prepack's copies of weights in oneDNN's blocked layout, found by the weight's address and shape
+# when the product runs (a compiled graph cannot take an opaque oneDNN tensor as an input, and a
+# per-layer constant would keep one compiled layer from serving every layer, compile_mode regional)
 _PACKED: dict = {}
-_HANDLES = itertools.count()
+
+
+def packed_key(w: Tensor) -> tuple:
+    return (w.data_ptr(), *w.shape)
 
 
 @torch.library.custom_op("minillm_dnn::linear", mutates_args=())
-def _onednn_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], packed: int) -> Tensor:
+def _onednn_linear(x: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
     # opaque to inductor, which would otherwise lower the product to BLAS (or fail to lower the
     # oneDNN op with a weight that is not a frozen constant)
-    return torch.ops.mkldnn._linear_pointwise(x, _PACKED.get(packed, w), bias, "none", [None], None)
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED.get(packed_key(w), w), bias, "none", [None], None)
 
 
 @_onednn_linear.register_fake
-def _(x: Tensor, w: Tensor, bias: Optional[Tensor], packed: int) -> Tensor:
+def _(x: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -169,20 +173,25 @@ def uses_onednn(x: Tensor, w: Tensor) -> bool:
     """Whether `dense_linear` takes x (..., K) times w: on CPU, float32 from 16 tokens and
     bfloat16 (on a CPU with bf16 instructions) from 8, where oneDNN beats small_linear and BLAS."""
     return (x.dtype == w.dtype and onednn_dtype(x.device, x.dtype)
-            and x.shape[:-1].numel() >= ONEDNN_MIN_TOKENS[x.dtype])
+            and x.shape[:-1].numel() >= onednn_min_tokens(x.dtype))
 
 
 def onednn_dtype(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN's GEMM takes products in dtype on device: float32 on CPU, and bfloat16 on a
     CPU with bf16 instructions."""
-    return ONEDNN and device.type == "cpu" and dtype in ONEDNN_MIN_TOKENS and (dtype == torch.float32 or CPU_HAS_BF16)
+    return ONEDNN and device.type == "cpu" and (dtype == torch.float32 or (dtype == torch.bfloat16 and CPU_HAS_BF16))
 
 
-def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None, packed: int = -1) -> Tensor:
+def onednn_min_tokens(dtype: torch.dtype) -> int:
+    # not a lookup in ONEDNN_MIN_TOKENS: a compiled layer reused across layers cannot guard on a dict keyed by dtype
+    return ONEDNN_MIN_TOKENS_F32 if dtype == torch.float32 else ONEDNN_MIN_TOKENS_BF16
+
+
+def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """F.linear(x, w, bias) through oneDNN's GEMM: x (..., K), w (N, K), both float32 or both
-    bfloat16 (see `uses_onednn`); (..., N) in x's dtype, accumulated in float32. packed: the
-    handle of w's copy from `prepack`, read instead of w when it is still there."""
-    y = _onednn_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(), bias, packed)  # (tokens, N)
+    bfloat16 (see `uses_onednn`); (..., N) in x's dtype, accumulated in float32. w's copy from
+    `prepack` is read instead of w while it is there."""
+    y = _onednn_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(), bias)  # (tokens, N)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -208,11 +217,11 @@ def prepack(model: nn.Module) -> int:
         if not isinstance(module, CpuLinear) or not onednn_dtype(w.device, w.dtype) or module_packed(module):
             continue
         if id(w) not in copies:  # a tied weight is packed once
-            handle = next(_HANDLES)
+            key = packed_key(w)
             with torch.no_grad():
-                _PACKED[handle] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_MIN_TOKENS[w.dtype])
-            weakref.finalize(w, _PACKED.pop, handle, None)  # goes with the weight
-            copies[id(w)] = handle
+                _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_MIN_TOKENS[w.dtype])
+            weakref.finalize(w, _PACKED.pop, key, None)  # goes with the weight
+            copies[id(w)] = key
         module.packed = copies[id(w)]
         count += 1
     return count
@@ -220,7 +229,7 @@ def prepack(model: nn.Module) -> int:
 
 def module_packed(module: nn.Module) -> bool:
     """Whether `prepack` gave this layer a copy that is still there."""
-    return getattr(module, "packed", -1) in _PACKED
+    return getattr(module, "packed", None) in _PACKED and module.packed == packed_key(module.weight)
 
 
 
@@ -288,7 +297,7 @@ class CpuLinear(nn.Linear):
             y = y.view(*x.shape[:-1], -1)  # (..., out_features)
             return y if self.bias is None else y + self.bias
         if uses_onednn(x, self.weight):
-            return dense_linear(x, self.weight, self.bias, getattr(self, "packed", -1))
+            return dense_linear(x, self.weight, self.bias)
         one_token_loop = tokens == 1 and AVX512 and x.device.type == "cpu"  # BLAS gemv: 17-28 GB/s
         if kernel_ok and (one_token_loop or (compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS)):
             y = small_linear(x.float(), self.weight).to(x.dtype)  # (..., out_features)
@@ -365,11 +374,11 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
     y = q.new_empty(B, nkv, group * T, D)
     for b in range(B):
         for h in range(nkv):
-            scores = _onednn_linear(q[b, h], k[b, h].contiguous(), None, -1).view(group, T, S)
+            scores = _onednn_linear(q[b, h], k[b, h].contiguous(), None).view(group, T, S)
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
             probs = torch.softmax(scores + mask[b].float(), dim=-1)  # (group, T, S)
-            y[b, h] = _onednn_linear(probs.view(group * T, S), v_t[b, h].contiguous(), None, -1)
+            y[b, h] = _onednn_linear(probs.view(group * T, S), v_t[b, h].contiguous(), None)
     return y.view(B, nh, T, D)
 
 

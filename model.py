@@ -582,6 +582,13 @@ class TransformerBlock(nn.Module):
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))) * self.residual_multiplier
 
 
+@torch.compiler.nested_compile_region
+def block_region(layer: TransformerBlock, *args, **kwargs) -> Tensor:
+    """A layer as a region torch.compile compiles once and calls again for every layer alike
+    (regional compilation); called outside torch.compile it is the layer's plain call."""
+    return layer(*args, **kwargs)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -595,6 +602,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = self.max_seq_length = -1
         self.ring_window: Optional[int] = None  # set when sliding layers keep a ring cache
+        self.regional = False  # under torch.compile: compile one layer and reuse it (block_region)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
         """Preallocate every layer's KV cache; call again to resize (the old contents are lost)."""
@@ -712,8 +720,9 @@ class Transformer(nn.Module):
             # prefill needs only the next token's logits: past the last layer's keys and values
             # (the cache needs them), compute the last position only, and skip the vocab matmul
             # for the rest
-            x = layer(x, c, s, masks, input_pos, last_logits_only=last_logits_only and i == len(self.layers) - 1,
-                      rows=rows)
+            x = (block_region if self.regional else TransformerBlock.__call__)(
+                layer, x, c, s, masks, input_pos, last_logits_only=last_logits_only and i == len(self.layers) - 1,
+                rows=rows)
         if logit_rows is not None:
             x = x[logit_rows]
         logits = self.output(self.norm(x))

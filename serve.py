@@ -43,7 +43,7 @@ import torch
 
 import checkpoint
 import kernels
-from engine import (MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan,
+from engine import (COMPILE_MODES, MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan,
                     check_longrope_batching, check_sampling, check_vocabulary, decode_logits, load_model, log,
                     longrope_switch, meta_model, parse_device, parse_dtype, preflight, trained_context)
 from errors import UserError, run_cli
@@ -878,7 +878,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the decode step (default: on; compiles at start-up)")
-    p.add_argument("--compile_mode", choices=["default", "max"], default="default")
+    p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
+                   help="regional: compile one layer and reuse it for every layer, a fraction of the startup; "
+                        "max: see generate.py --help")
     p.add_argument("--api_key", default=os.environ.get("MINILLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` (default: $MINILLM_API_KEY, or none)")
     p.add_argument("--model_name", default=None, help="the model id clients name (default: the checkpoint's name)")

@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from engine import (ONE_SEQUENCE, Engine, Generator, Request, Sampling, Stats, adjust_logits, check_cache,
-                    check_fits, common_prefix, compile_options, crosses_longrope_switch, decode_metrics,
+                    check_fits, common_prefix, compile_step, crosses_longrope_switch, decode_metrics,
                     guards_skipped, log, logits_to_probs, longrope_switch, pick_tokens, reusable_prefix,
                     sample_probs, token_logprobs)
 from errors import UserError
@@ -290,8 +290,7 @@ class DraftProposer(Proposer):
         self.device = model.norm.weight.device  # (a quantized embedding has no .weight)
         self.step = draft_one_token
         if compile:
-            self.step = torch.compile(draft_one_token, fullgraph=True,
-                                      **compile_options(self.device, compile_mode))
+            self.step = compile_step(draft_one_token, model, compile_mode)
         self.fed: list = []
         self.ring = None
 
@@ -438,8 +437,9 @@ class SpeculativeEngine(Generator):
         self.model, self.device = engine.model, engine.device
         self.verify, self.compiled = verify, compile
         if compile:  # dynamic: one graph for every number of proposals and every context length
-            self.verify = torch.compile(verify, fullgraph=True, dynamic=True,
-                                        **compile_options(self.device, compile_mode))
+            # not regional: a compiled region cannot take dynamic shapes' symbolic floats (torch 2.13)
+            verify_mode = "default" if compile_mode == "regional" else compile_mode
+            self.verify = compile_step(verify, self.model, verify_mode, dynamic=True)
         self.verify_guards_checked = self.step_guards_checked = False
         self.k_round = k  # this round's proposals at most: k, or next_k's choice when adaptive
         self.tokens: list = []  # the target's context: tokens by cache position (the last one not fed yet)

@@ -328,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="a model name known to download.py")
     p.add_argument("--checkpoint", type=Path, default=None, help="our checkpoint (default: checkpoints/MODEL)")
     p.add_argument("--engines", default="ours,llama-server",
-                   help="comma-separated: ours, ours-no-prepack (serve.py --no-prepack), llama-server, "
+                   help="comma-separated: ours, ours-no-prepack (serve.py --no-prepack), ours-regional "
+                        "(--compile_mode regional), llama-server, "
                         "transformers (generate_batch, throughput workload only)")
     p.add_argument("--precision", choices=["float32", "int8"], default="float32",
                    help="float32: ours float32 against llama.cpp F32; int8: ours int8 against Q8_0")
@@ -368,7 +369,12 @@ def main(argv=None):
         with open(args.logdir / "ours-no-prepack.log", "a") as f:
             return start_ours(args, slots, ctx, f, ("--no-prepack",))
 
-    known = {"ours": ours, "ours-no-prepack": ours_unpacked, "llama-server": llama, "transformers": None}
+    def ours_regional(args, slots, ctx):  # the A/B of serve.py's --compile_mode regional
+        with open(args.logdir / "ours-regional.log", "a") as f:
+            return start_ours(args, slots, ctx, f, ("--compile_mode", "regional"))
+
+    known = {"ours": ours, "ours-no-prepack": ours_unpacked, "ours-regional": ours_regional, "llama-server": llama,
+             "transformers": None}
     names = args.engines.split(",")
     if unknown := [n for n in names if n not in known]:
         sys.exit(f"error: unknown engine(s) {', '.join(unknown)} (choose from {', '.join(known)})")

@@ -2,6 +2,7 @@
 import copy
 import json
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -45,12 +46,33 @@ def test_stop_tokens_end_each_row_independently():
         assert out == row[:cut]
 
 
-def test_compiled_decode_matches_eager():
+@pytest.mark.parametrize("compile_mode", ["default", "regional"])
+def test_compiled_decode_matches_eager(compile_mode):
     model = random_model(n_layers=2)
     prompt = [list(range(3, 19))]
     eager = greedy(Engine(model), prompt, 32)  # the reference
-    compiled = greedy(Engine(kernels.install(copy.deepcopy(model)), compile=True), prompt, 32)  # the CPU fast paths
+    fast = kernels.install(copy.deepcopy(model))  # the CPU fast paths
+    compiled = greedy(Engine(fast, compile=True, compile_mode=compile_mode), prompt, 32)
     assert compiled == eager
+
+
+def test_regional_compile_compiles_each_kind_of_layer_once():
+    """--compile_mode regional: the step's code defines one region per kind of layer (full and
+    sliding attention) and calls it for each of the six layers, and its logits are eager's."""
+    from torch._inductor.utils import run_and_get_code
+    kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    model = kernels.install(random_model(n_layers=6, layer_types=kinds, sliding_window=4))
+    engine = Engine(model, compile=True, compile_mode="regional")
+    engine.setup(1, 32)
+    with torch.inference_mode():
+        model(torch.arange(3, 11).view(1, -1), torch.arange(8))
+        expected = copy.deepcopy(model)(torch.tensor([[17]]), torch.tensor([8]))
+        torch._dynamo.reset()
+        got, (code,) = run_and_get_code(engine.decode_one_token, model, torch.tensor([[17]]), torch.tensor([8]),
+                                        torch.zeros(1, dtype=torch.long), None)
+    torch.testing.assert_close(got, expected[:, -1], atol=1e-4, rtol=0)
+    regions = set(re.findall(r"# subgraph: (\w+)", code))
+    assert len(regions) == 2 and len(re.findall(r"# subgraph: \w+", code)) == 6, code
 
 
 @pytest.mark.parametrize("variant", [

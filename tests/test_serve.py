@@ -61,7 +61,9 @@ def stop_server(proc):
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    proc, url = start_server(smollm2_dir, "--max_batch_size", 16, "--max_seq_length", 1024, "--max_waiting", 8)
+    # regional: a fraction of the compile (a whole-step graph is what test_batching.py compiles)
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 16, "--max_seq_length", 1024, "--max_waiting", 8,
+                             "--compile_mode", "regional")
     yield url
     assert stop_server(proc) == 0
 
