@@ -390,8 +390,8 @@ def compile_options(device: torch.device, compile_mode: str) -> dict:
 def compile_step(fn: Callable, model: Transformer, compile_mode: str = "default", **options) -> Callable:
     """torch.compile(fn, fullgraph=True) for a step fn(model, ...). compile_mode: default, one graph
     of the whole step; regional, a step that calls one compiled layer for every layer alike (a
-    fraction of the compile time, a slightly slower step where per-call overhead shows: small
-    quantized models); max, see compile_options."""
+    fraction of the compile time; the calls are made from Python, a slower step for a small
+    model, docs/benchmarks.md); max, see compile_options."""
     if compile_mode not in COMPILE_MODES:
         raise UserError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, not {compile_mode!r}")
     if compile_mode == "regional":

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic shapes)")
     p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
                    help="regional: compile one layer and reuse it for every layer alike (a fraction of the "
-                        "compile time; a slightly slower step on small quantized models); max: on CPU, freeze "
+                        "compile time; a slower step on small models); max: on CPU, freeze "
                         "the weights and let inductor generate its own GEMM kernels "
                         "(fastest decode, especially in bfloat16, but every run compiles for minutes); "
                         "on CUDA, max-autotune")
