@@ -381,7 +381,7 @@ def compile_options(device: torch.device, compile_mode: str) -> dict:
         return {}
     # inductor's graph called from C++ rather than Python: a quantized step calls many kernels.py
     # operators, and the Python wrapper's per-call overhead shows. Not under tensor parallelism:
-    # the C++ wrapper cannot call the functional collectives; nor in regional mode: nor a region.
+    # the C++ wrapper cannot call the functional collectives, nor a compiled region (regional mode).
     if compile_mode == "regional" or (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {}
     return {"options": {"cpp_wrapper": True}}

@@ -49,10 +49,8 @@ from torch import Tensor
 from model import Attention
 
 MAX_TOKENS = 16  # queries per attention call; a batch step of a quantized model fuses this many rows
-# tokens per small_linear call; from ONEDNN_MIN_TOKENS up, oneDNN's GEMM is faster (docs/benchmarks.md)
+# tokens per small_linear call; from onednn_min_tokens up, oneDNN's GEMM is faster (docs/benchmarks.md)
 LINEAR_MAX_TOKENS = 128
-ONEDNN_MIN_TOKENS_F32, ONEDNN_MIN_TOKENS_BF16 = 16, 8
-ONEDNN_MIN_TOKENS = {torch.float32: ONEDNN_MIN_TOKENS_F32, torch.bfloat16: ONEDNN_MIN_TOKENS_BF16}
 PROMPT_QUERY_CHUNK = 128  # queries per SDPA call in a long prompt's attention (CpuAttention)
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
@@ -183,8 +181,9 @@ def onednn_dtype(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def onednn_min_tokens(dtype: torch.dtype) -> int:
-    # not a lookup in ONEDNN_MIN_TOKENS: a compiled layer reused across layers cannot guard on a dict keyed by dtype
-    return ONEDNN_MIN_TOKENS_F32 if dtype == torch.float32 else ONEDNN_MIN_TOKENS_BF16
+    """Tokens from which oneDNN's GEMM beats small_linear: 8 in bfloat16, else 16. (A comparison, not
+    a dict keyed by dtype: a compiled region cannot rebuild a guard on such a lookup.)"""
+    return 8 if dtype == torch.bfloat16 else 16
 
 
 def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -219,7 +218,7 @@ def prepack(model: nn.Module) -> int:
         if id(w) not in copies:  # a tied weight is packed once
             key = packed_key(w)
             with torch.no_grad():
-                _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_MIN_TOKENS[w.dtype])
+                _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), onednn_min_tokens(w.dtype))
             weakref.finalize(w, _PACKED.pop, key, None)  # goes with the weight
             copies[id(w)] = key
         module.packed = copies[id(w)]

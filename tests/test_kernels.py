@@ -129,7 +129,7 @@ def test_prompt_sized_products_take_onednn_compiled_or_not(monkeypatch, dtype):
     monkeypatch.setattr(kernels, "dense_linear", lambda *a: calls.append(1) or real(*a))
 
     tol = 1e-4 if dtype == torch.float32 else 0.05  # bfloat16 output: one rounding of ~8 bits
-    for tokens in (kernels.ONEDNN_MIN_TOKENS[dtype] - 1, kernels.ONEDNN_MIN_TOKENS[dtype], 40):
+    for tokens in (kernels.onednn_min_tokens(dtype) - 1, kernels.onednn_min_tokens(dtype), 40):
         calls.clear(), graphs.clear()
         x = torch.randn(1, tokens, 96).to(dtype)
         ref = x.double() @ lin.weight.double().t() + lin.bias.double()
@@ -138,7 +138,7 @@ def test_prompt_sized_products_take_onednn_compiled_or_not(monkeypatch, dtype):
             eager = lin(x)
             compiled = torch.compile(lin, fullgraph=True, backend=recording(graphs))(x)
             inductor = torch.compile(lin, fullgraph=True)(x)
-        onednn = expected_onednn and tokens >= kernels.ONEDNN_MIN_TOKENS[dtype]
+        onednn = expected_onednn and tokens >= kernels.onednn_min_tokens(dtype)
         assert (len(calls) == 3) == onednn and any("minillm_dnn.linear" in g for g in graphs) == onednn, tokens
         for got in (eager, compiled, inductor):
             assert got.shape == (1, tokens, 40) and (got.double() - ref).abs().max().item() < tol, tokens
@@ -167,7 +167,7 @@ def test_prepacked_weights_give_the_same_bits_and_are_the_ones_read(dtype):
         # the copy is what a product of many tokens reads: swapped for zeros, it gives zeros
         real = kernels._PACKED[m.output.packed]
         kernels._PACKED[m.output.packed] = torch.ops.mkldnn._reorder_linear_weight(
-            torch.zeros_like(m.output.weight), kernels.ONEDNN_MIN_TOKENS[dtype])
+            torch.zeros_like(m.output.weight), kernels.onednn_min_tokens(dtype))
         assert not m.output(xs[3]).any() and m.output(xs[0]).any()  # one token reads the plain weight
         torch._dynamo.reset()
         assert not torch.compile(m.output, fullgraph=True)(xs[3]).any()  # and so does a compiled step
