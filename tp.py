@@ -429,6 +429,8 @@ def init_from_env(device: str = "cpu", mode: str = "auto") -> tuple[Optional[Ten
     --nproc_per_node=1) runs the same path with whole shards: a baseline for N > 1."""
     if "WORLD_SIZE" not in os.environ:
         return None, device
+    # a rank that crashes below Python (SIGABRT, SIGSEGV), joining the group included, names its Python line
+    faulthandler.enable(sys.__stderr__)
     world = int(os.environ["WORLD_SIZE"])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     cuda = device.startswith("cuda")
@@ -443,8 +445,6 @@ def init_from_env(device: str = "cpu", mode: str = "auto") -> tuple[Optional[Ten
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=TIMEOUT_S),
                                 device_id=torch.device(device) if cuda else None)
     atexit.register(close)
-    # a rank that crashes below Python (SIGABRT, SIGSEGV) still names the Python line it was on
-    faulthandler.enable(sys.__stderr__)
     if rank != 0:
         quiet()
     return TensorParallel(rank, world, device=device, mode=mode), device

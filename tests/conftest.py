@@ -16,6 +16,14 @@ DEVICE_SCRIPTS = ("generate.py", "eval.py", "serve.py")  # the command lines tha
 
 
 def pytest_configure(config):
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)  # pytest-xdist's workers share the cores
+    cores = len(os.sched_getaffinity(0))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # more OpenMP threads than cores: each eager op waits at its barrier for a descheduled thread
+        # (an eager decode test took 6x as long beside another worker); the command lines inherit it
+        threads = max(1, cores // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
         device = torch.device(TEST_DEVICE)
     except RuntimeError:

@@ -99,6 +99,37 @@ def test_integer_loops_give_a_token_the_same_bits_whatever_the_other_tokens():
         assert torch.equal(kernels.q4_linear(x[a:b], q4, s4, z4, 32), full4[a:b]), (a, b)
 
 
+def test_kernels_give_the_same_bits_with_any_thread_count():
+    # the loops split output rows (or attention rows) between threads, never a sum: the test suite
+    # runs one thread per worker, so the split itself is checked here
+    if not kernels.available():
+        pytest.fail("the kernels could not be built here")
+    g = torch.Generator().manual_seed(4)
+    N, K, T = 75, 256, 3
+    x = torch.randn(T, K, generator=g)
+    w = torch.randn(N, K, generator=g)
+    w8, s8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8), torch.rand(N, generator=g)
+    q4 = quantize.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
+    s4, z4 = torch.rand(N, 8, generator=g).half(), torch.randn(N, 8, generator=g).half()
+    q, k, v = (torch.randn(2, 3, s, 16, generator=g) for s in (2, 40, 40))
+    mask = torch.zeros(2, 1, 1, 40)
+    mask[1, ..., 30:] = float("-inf")
+    calls = [lambda: kernels.small_linear(x, w), lambda: kernels.small_linear(x, w.bfloat16()),
+             lambda: kernels.q8_linear(x, w8, s8), lambda: kernels.q4_linear(x, q4, s4, z4, 32),
+             lambda: kernels.attend(q, k, v, mask, 0.25),
+             lambda: kernels.attend(q, k.bfloat16(), v.bfloat16(), mask, 0.25)]
+    n = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append([f() for f in calls])
+    finally:
+        torch.set_num_threads(n)
+    for i in range(len(calls)):
+        assert torch.equal(results[0][i], results[1][i]) and torch.equal(results[0][i], results[2][i]), i
+
+
 def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
     torch.manual_seed(0)
     lin = kernels.CpuLinear(64, 48, bias=True)
