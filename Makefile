@@ -6,7 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL := checkpoints/smollm2-135m
 # test files run side by side (pytest-xdist, each file in one worker): many tests wait on servers,
-# torchrun jobs and command lines, so two workers on 2 cores take about two thirds of the time
+# torchrun jobs and command lines, so two workers on 2 cores take about two thirds of the time;
+# each worker runs torch on its share of the cores (tests/conftest.py)
 TEST_WORKERS ?= 2
 PROMPT ?= Explain in three sentences why the sky is blue.
 
