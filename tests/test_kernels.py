@@ -115,7 +115,9 @@ def test_kernels_give_the_same_bits_with_any_thread_count():
     mask = torch.zeros(2, 1, 1, 40)
     mask[1, ..., 30:] = float("-inf")
     calls = [lambda: kernels.small_linear(x, w), lambda: kernels.small_linear(x, w.bfloat16()),
+             lambda: kernels.small_linear(x[:1], w), lambda: kernels.small_linear(x[:1], w.bfloat16()),  # decode
              lambda: kernels.q8_linear(x, w8, s8), lambda: kernels.q4_linear(x, q4, s4, z4, 32),
+             lambda: kernels.q8_linear(x[:1], w8, s8), lambda: kernels.q4_linear(x[:1], q4, s4, z4, 32),
              lambda: kernels.attend(q, k, v, mask, 0.25),
              lambda: kernels.attend(q, k.bfloat16(), v.bfloat16(), mask, 0.25)]
     n = torch.get_num_threads()
