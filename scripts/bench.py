@@ -1,4 +1,4 @@
-"""Benchmark our generate.py against its peers on the same weights, in one run.
+r"""Benchmark our generate.py against its peers on the same weights, in one run.
 
 Run from the repository root:
 
@@ -34,9 +34,10 @@ and ORIG (the GGUF as shipped, for SmolLM2 Q4_1 with a Q8_0 embedding).
 Protocol: batch 1, 2 threads everywhere (OMP_NUM_THREADS=2, torch.set_num_threads(2),
 n_threads=2), greedy, exactly --max_new_tokens new tokens (EOS ignored). Every engine runs each
 prompt in a process of its own, --num_samples times, and drops the first run (compilation and
-warm-up); the median of the rest is that round's figure. Rounds are interleaved (the engine
-order rotates each round) so that a machine whose speed drifts over minutes favours no engine;
-the table shows the median over rounds.
+warm-up); the median of the rest is that round's figure. In a round the runs that are compared
+(ours float32 and llama.cpp F32, ours int8 and Q8_0, ...) run back to back, their order reversed
+every round, so that a machine whose bandwidth drifts over minutes favours no engine; the table
+shows the median over rounds, and a ratio column the median of each round's ratio.
 Decode tokens/s is measured after the short prompt; time to first token (TTFT: prefill plus the
 first token) for the short prompt and for a long one (the opening of Moby-Dick).
 Memory bandwidth is measured in every round over 1 GiB of float32, 2 threads, best of 5, as the
@@ -172,6 +173,9 @@ def tokenize_prompts(gguf: Path, checkpoint: Path) -> dict:
     return ids
 
 
+SAME = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_1": "int4-g32"}  # a peer's file type -> our dtype
+
+
 def engine_jobs(args, llama_ok: bool) -> list:
     """(engine, dtype) pairs of one round; llama.cpp rows use its file types as dtype."""
     jobs = []
@@ -186,6 +190,19 @@ def engine_jobs(args, llama_ok: bool) -> list:
             if engine in ("ours", "ours-max", "ours-before"):
                 jobs += [(engine, q) for q in args.quantized]  # weights quantized, activations float32
     return jobs
+
+
+def round_order(jobs: list, rnd: int) -> list:
+    """The jobs of round rnd: those compared with each other (ours float32 and llama.cpp F32) run
+    back to back, so that their ratio is taken minutes apart at most on a machine whose
+    bandwidth drifts; the groups rotate and the order within each group reverses every round,
+    so no engine always runs first."""
+    groups = {}
+    for engine, dtype in jobs:
+        groups.setdefault(SAME.get(dtype, dtype), []).append((engine, dtype))
+    groups = list(groups.values())
+    shift = rnd % len(groups) if groups else 0
+    return [job for group in groups[shift:] + groups[:shift] for job in (group[::-1] if rnd % 2 else group)]
 
 
 def quantized_checkpoint(args, label: str) -> Path:
@@ -325,19 +342,29 @@ def summarize(raw: list, membw: list, n_new: int, reference: str = "ours") -> li
             "output_ids_short": next((runs[0].get("output_ids") for rr in rounds
                                       for runs in [rr["runs"].get("short")] if runs), None),
         })
-    # ours/peer: decode speed ratio and TTFT speedup (peer TTFT / our TTFT), same dtype
-    ours = {s["dtype"]: s for s in summary if s["engine"] == reference} or \
-        {s["dtype"]: s for s in summary if s["engine"].startswith("ours")}
-    same = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_1": "int4-g32"}
+    # ours/peer: decode speed ratio and TTFT speedup (peer TTFT / our TTFT), same dtype: the median
+    # over rounds of each round's ratio (the two ran back to back), not the ratio of the medians
+    ours = reference if any(s["engine"] == reference for s in summary) else \
+        next((s["engine"] for s in summary if s["engine"].startswith("ours")), None)
     for row in summary:
-        mine = ours.get(same.get(row["dtype"], row["dtype"]))
-        ok = mine is not None and (row["engine"] == "ours-before" or not row["engine"].startswith("ours"))
+        mine = groups.get((ours, SAME.get(row["dtype"], row["dtype"])))
+        ok = mine is not None and row["engine"] != ours and \
+            (row["engine"] == "ours-before" or not row["engine"].startswith("ours"))
+        theirs = groups[(row["engine"], row["dtype"])]
 
-        def ratio(x, y):
-            return x / y if ok and x and y else None
-        row["ours_decode_ratio"] = ratio(mine and mine["decode_tokens_per_s"], row["decode_tokens_per_s"])
-        row["ours_ttft_short_speedup"] = ratio(row["ttft_short_s"], mine and mine["ttft_short_s"])
-        row["ours_ttft_long_speedup"] = ratio(row["ttft_long_s"], mine and mine["ttft_long_s"])
+        def paired(prompt, key, ours_over_peer):
+            if not ok:
+                return None
+            ratios = []
+            for rnd in {rr["round"] for rr in theirs}:
+                a = [median([s.get(key) for s in rr["runs"].get(prompt, [])]) for rr in mine if rr["round"] == rnd]
+                b = [median([s.get(key) for s in rr["runs"].get(prompt, [])]) for rr in theirs if rr["round"] == rnd]
+                if a and b and a[0] and b[0]:
+                    ratios.append(a[0] / b[0] if ours_over_peer else b[0] / a[0])
+            return median(ratios)
+        row["ours_decode_ratio"] = paired("short", "decode_tokens_per_s", True)
+        row["ours_ttft_short_speedup"] = paired("short", "ttft_s", False)
+        row["ours_ttft_long_speedup"] = paired("long", "ttft_s", False)
     return summary
 
 
@@ -374,7 +401,8 @@ def print_table(summary: list, membw: list, ids: dict, args):
             print(f"ours {row['dtype']} decodes {row['decode_tokens_per_s'] / f32['decode_tokens_per_s']:.2f}x ours float32")
     print("ours/peer decode: our decode tok/s over the peer's (same dtype; int8 faces Q8_0, int4-g32 Q4_1); "
           "ours TTFT x: the peer's time to "
-          "first token over ours (>1: ours is faster). % bw: achieved bandwidth over the measured one.")
+          "first token over ours (>1: ours is faster); each the median of the rounds' ratios of back-to-back runs. "
+          "% bw: achieved bandwidth over the measured one.")
     ref = next((row for row in summary if row["engine"].startswith("hf") and row["output_ids_short"]), None)
     if ref:  # greedy outputs of the same weights should agree for a while, then drift with rounding
         agree = []
@@ -476,8 +504,7 @@ def main(argv=None):
         bandwidth["round"] = rnd
         membw.append(bandwidth)
         log(f"round {rnd + 1}/{args.rounds}: memory bandwidth {bandwidth.get('gb_s', 0):.1f} GB/s")
-        shift = rnd % len(jobs) if jobs else 0
-        for engine, dtype in jobs[shift:] + jobs[:shift]:  # rotate so no engine always runs first
+        for engine, dtype in round_order(jobs, rnd):
             tag = f"r{rnd}-{engine}-{dtype}"
             if engine.startswith("ours"):
                 result = run_ours(args, engine, dtype, ids, workdir, tag)

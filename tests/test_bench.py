@@ -1,0 +1,37 @@
+"""scripts/bench.py's protocol: compared runs back to back, ratios taken within a round."""
+from scripts.bench import engine_jobs, round_order, summarize
+
+
+class Args:
+    engines, dtypes, quantized, llama_quants = ["ours", "llama"], ["float32", "bfloat16"], ["int8"], ["Q8_0"]
+
+
+def test_compared_runs_are_back_to_back_and_take_turns_first():
+    jobs = engine_jobs(Args, llama_ok=True)
+    firsts = set()
+    for rnd in range(4):
+        order = round_order(jobs, rnd)
+        assert sorted(order) == sorted(jobs)
+        for ours, peer in (("float32", "F32"), ("bfloat16", "BF16"), ("int8", "Q8_0")):
+            i, j = order.index(("ours", ours)), order.index(("llama", peer))
+            assert abs(i - j) == 1
+            firsts.add((ours, i < j))
+    assert len(firsts) == 6  # each pair has had each engine first
+
+
+def run(engine, dtype, rnd, tok_s, ttft):
+    sample = {"decode_tokens_per_s": tok_s, "ttft_s": ttft, "new_tokens": 8}
+    return {"engine": engine, "dtype": dtype, "round": rnd, "runs": {"short": [sample], "long": [sample]}}
+
+
+def test_ratio_is_the_median_of_each_rounds_ratio():
+    # the machine is three times as fast in round 1: the ratio of the medians (11 / 12) would
+    # hide that ours won two rounds of three
+    raw = [run("ours", "float32", 0, 10, 1.0), run("llama", "F32", 0, 12, 1.2),
+           run("llama", "F32", 1, 20, 0.5), run("ours", "float32", 1, 30, 0.4),
+           run("ours", "float32", 2, 11, 0.9), run("llama", "F32", 2, 10, 1.8)]
+    rows = {r["engine"]: r for r in summarize(raw, [{"gb_s": 30.0}], 8)}
+    assert rows["llama"]["ours_decode_ratio"] == 11 / 10
+    assert rows["llama"]["ours_ttft_short_speedup"] == 1.25
+    assert rows["ours"]["ours_decode_ratio"] is None
+    assert rows["ours"]["decode_tokens_per_s"] == 11
