@@ -101,9 +101,12 @@ def gguf_variant(src: Path, kind: str, cache_dir: Path) -> Path:
 
 
 def gguf_tensor_bytes(path: Path) -> int:
-    """Bytes of weights a decode step reads (every tensor once; tied embeddings are one tensor)."""
+    """Bytes of weights a decode step reads: every tensor once (tied embeddings are one tensor),
+    except an embedding table beside its own output.weight, of which a step reads one row."""
     import gguf
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    tensors = gguf.GGUFReader(str(path)).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
 
 
 # ---------------------------------------------------------------- workers

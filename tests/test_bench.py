@@ -35,3 +35,24 @@ def test_ratio_is_the_median_of_each_rounds_ratio():
     assert rows["llama"]["ours_ttft_short_speedup"] == 1.25
     assert rows["ours"]["ours_decode_ratio"] is None
     assert rows["ours"]["decode_tokens_per_s"] == 11
+
+
+def write_gguf(path, names):
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name in names:
+        w.add_tensor(name, np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_peer_bytes_count_an_untied_embedding_table_as_one_row(tmp_path):
+    from scripts.bench_peers import gguf_tensor_bytes
+    tied = write_gguf(tmp_path / "tied.gguf", ["token_embd.weight", "blk.0.ffn_up.weight"])
+    untied = write_gguf(tmp_path / "untied.gguf", ["token_embd.weight", "output.weight", "blk.0.ffn_up.weight"])
+    assert gguf_tensor_bytes(tied) == 2 * 128  # the table is the head: read whole
+    assert gguf_tensor_bytes(untied) == 2 * 128  # the head and the layer; one row of the table, not counted
