@@ -127,6 +127,22 @@ def test_weight_bytes_is_what_load_model_reads(tmp_path, smollm2_dir):
             assert weight_bytes(model, dtype) == sum(t.nbytes for t in state.values()), (ckpt, dtype)
 
 
+def test_converted_weights_are_read_into_one_block_in_model_order(tmp_path):
+    model = random_model(vocab_size=320)
+    ckpt = save_checkpoint(model, tmp_path / "float")
+    expected = checkpoint.expected_shapes(meta_model(checkpoint.read_config(ckpt)))
+    state = checkpoint.read_weights(ckpt, expected, "cpu", torch.bfloat16)
+    names = list(expected)
+    assert [n for n, _ in sorted(state.items(), key=lambda kv: kv[1].data_ptr())] == names
+    base = state[names[0]].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in state.values())  # one allocation
+    for name, t in model.state_dict().items():
+        if name in state:
+            assert torch.equal(state[name], t.to(torch.bfloat16)), name  # the same rounding as .to()
+    kept = checkpoint.read_weights(ckpt, expected, "cpu", torch.float32)  # nothing to convert: no block
+    assert len({t.untyped_storage().data_ptr() for t in kept.values()}) == len(kept)
+
+
 def test_tensor_parallel_rank_counts_its_shard():
     args = random_model(vocab_size=320, n_heads=4, n_kv_heads=2).args
     full = meta_model(args)
