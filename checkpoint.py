@@ -108,13 +108,14 @@ def converted_block(f, expected: dict, device, dtype: torch.dtype, keep_dtype: C
     need no conversion stay where the file is mapped."""
     if torch.device(device).type != "cpu":
         return {}
-    names = [n for n in expected if FLOAT_DTYPES.get(f.get_slice(n).get_dtype(), dtype) != dtype and not keep_dtype(n)]
-    sizes = [-(-math.prod(expected[n]) * dtype.itemsize // 64) * 64 for n in names]  # 64-byte aligned
-    block = torch.empty(sum(sizes), dtype=torch.uint8)
+    nbytes = {n: math.prod(shape) * dtype.itemsize for n, shape in expected.items()
+              if FLOAT_DTYPES.get(f.get_slice(n).get_dtype(), dtype) != dtype and not keep_dtype(n)}
+    aligned = lambda size: -(-size // 64) * 64  # noqa: E731
+    block = torch.empty(sum(map(aligned, nbytes.values())), dtype=torch.uint8)
     views, offset = {}, 0
-    for name, size in zip(names, sizes):
-        views[name] = block[offset:offset + math.prod(expected[name]) * dtype.itemsize].view(dtype).view(expected[name])
-        offset += size
+    for name, size in nbytes.items():
+        views[name] = block[offset:offset + size].view(dtype).view(expected[name])
+        offset += aligned(size)
     return views
 
 
