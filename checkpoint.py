@@ -4,6 +4,7 @@ temporary directory that is renamed into place, so a failed write never leaves h
 """
 import json
 import math
+import mmap
 import os
 import shutil
 import tempfile
@@ -111,12 +112,34 @@ def converted_block(f, expected: dict, device, dtype: torch.dtype, keep_dtype: C
     nbytes = {n: math.prod(shape) * dtype.itemsize for n, shape in expected.items()
               if FLOAT_DTYPES.get(f.get_slice(n).get_dtype(), dtype) != dtype and not keep_dtype(n)}
     aligned = lambda size: -(-size // 64) * 64  # noqa: E731
-    block = torch.empty(sum(map(aligned, nbytes.values())), dtype=torch.uint8)
+    block = huge_page_block(sum(map(aligned, nbytes.values())))
     views, offset = {}, 0
     for name, size in nbytes.items():
         views[name] = block[offset:offset + size].view(dtype).view(expected[name])
         offset += aligned(size)
     return views
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_block(nbytes: int) -> torch.Tensor:
+    """nbytes of zeroed memory, asked for on 2 MB pages where Linux has them (transparent huge pages
+    in "madvise" mode give them only to memory that asks). The decode loop streams every weight
+    once a token, and on 4 kB pages each page is a TLB miss and a restart for the hardware
+    prefetcher: Qwen2.5-Coder-1.5B's bfloat16 step reads its weights ~1.1x faster from 2 MB pages
+    (docs/benchmarks.md)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < HUGE_PAGE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(advice)
+    except OSError:  # a kernel without transparent huge pages: 4 kB pages, as torch.empty gives
+        pass
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to region
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
 
 
 def read_model(checkpoint_dir, dtype: torch.dtype = torch.float32) -> Transformer:

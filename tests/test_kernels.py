@@ -38,8 +38,9 @@ def test_small_linear_matches_float64_reference(wdtype):
     if not kernels.available():
         pytest.fail("kernels.small_linear could not be built here")
     g = torch.Generator().manual_seed(0)
-    # row counts that leave remainders for the 8-row and 2-row blocks, K with a scalar tail
-    for N, K in [(37, 20), (130, 96), (9, 1541)]:
+    # row counts that leave remainders for the 8-row and 2-row blocks; K with a scalar tail, and
+    # (bfloat16, one token) a 32-column block, a 16-column one and a masked tail after the 64s
+    for N, K in [(37, 20), (130, 96), (9, 1541), (5, 117)]:
         w = torch.randn(N, K, generator=g).to(wdtype)
         for T in range(1, 17):
             x = torch.randn(T, K, generator=g)

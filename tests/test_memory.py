@@ -1,9 +1,12 @@
 """Memory preflight: a run whose buffers do not fit is refused, before anything large is
 allocated, with one line naming the buffer, both figures and the flag that lowers it."""
+import gc
+import mmap
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +144,36 @@ def test_converted_weights_are_read_into_one_block_in_model_order(tmp_path):
             assert torch.equal(state[name], t.to(torch.bfloat16)), name  # the same rounding as .to()
     kept = checkpoint.read_weights(ckpt, expected, "cpu", torch.float32)  # nothing to convert: no block
     assert len({t.untyped_storage().data_ptr() for t in kept.values()}) == len(kept)
+
+
+def test_huge_page_block_is_aligned_zeroed_advised_and_outlives_its_views():
+    nbytes = 3 * checkpoint.HUGE_PAGE + 100
+    block = checkpoint.huge_page_block(nbytes)
+    assert block.numel() == nbytes and block.dtype == torch.uint8 and not block.any()
+    start = block.data_ptr()
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert start % checkpoint.HUGE_PAGE == 0
+        flags = vma_flags(start)
+        assert flags is not None and "hg" in flags  # the kernel took the advice for this mapping
+    view = block[-100:].view(torch.bfloat16)
+    view.fill_(1.5)
+    del block
+    gc.collect()
+    assert view.sum().item() == 75  # the mapping lives as long as a view of it
+    assert checkpoint.huge_page_block(1000).numel() == 1000  # small: plain memory
+
+
+def vma_flags(address: int):
+    """The VmFlags of this process's mapping that holds address, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(a, 16) for a in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return None
 
 
 def test_tensor_parallel_rank_counts_its_shard():
