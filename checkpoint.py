@@ -127,8 +127,7 @@ def huge_page_block(nbytes: int) -> torch.Tensor:
     """nbytes of zeroed memory, asked for on 2 MB pages where Linux has them (transparent huge pages
     in "madvise" mode give them only to memory that asks). The decode loop streams every weight
     once a token, and on 4 kB pages each page is a TLB miss and a restart for the hardware
-    prefetcher: Qwen2.5-Coder-1.5B's bfloat16 step reads its weights ~1.1x faster from 2 MB pages
-    (docs/benchmarks.md)."""
+    prefetcher: Qwen2.5-Coder-1.5B's bfloat16 decode is ~6% faster on 2 MB pages (docs/benchmarks.md)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes < HUGE_PAGE:
         return torch.empty(nbytes, dtype=torch.uint8)

@@ -131,8 +131,8 @@ inline float dot_row(const float* x, const float* w, int64_t K) {
 
 // bfloat16: 32 weights are one 64-byte load, and as 16 32-bit lanes each lane holds two weights,
 // the even one in its low half. `<< 16` turns the even weights into float32 and
-// `& 0xffff0000` the odd ones, two instructions where widening 16 at a time takes four, and
-// the loop then keeps more loads in flight. xs holds x split to match: each 32 columns as their
+// `& 0xffff0000` the odd ones: two instructions where widening 16 at a time takes four (1.06-1.23x
+// on the products alone, docs/benchmarks.md). xs holds x split to match: each 32 columns as their
 // 16 even then 16 odd values (split_x). The products are exact, as in the float32 loop.
 inline float dot_row(const float* xs, const float* x, const at::BFloat16* w, int64_t K) {
   const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
