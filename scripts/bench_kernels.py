@@ -15,6 +15,7 @@ Every row of a table is timed in the same process, in interleaved rounds (median
 the ratios hold even when the machine drifts. Speeds of whole runs are scripts/bench.py's job.
 """
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 import kernels
 import quantize as Q
+from checkpoint import write_json
 from engine import Sampling, decode_one_token, load_model, prefill
 from model import ModelArgs
 
@@ -231,8 +233,53 @@ def bench_verify(model, options):
             print(f"| {T} | {r['mulsum'] * 1e3:.0f} | {r['blas'] * 1e3:.0f} | {r['small'] * 1e3:.0f} |")
 
 
+def prefill_parts(model, run, rounds: int) -> dict:
+    """Wall-clock milliseconds of an eager prefill's parts, medians over rounds: the weights'
+    oneDNN GEMMs (kernels.dense_linear), attention (CpuAttention.attend) and the rest; then the
+    same GEMM calls repeated one by one, hot, where oneDNN reaches its best rate. (A profiler's
+    attribution inflates the GEMMs; plain timers do not.)"""
+    parts, calls = {"gemm": 0.0, "attention": 0.0}, []
+    dense, attend = kernels.dense_linear, kernels.CpuAttention.attend
+
+    def timed_dense(x, w, bias=None):
+        start = time.perf_counter()
+        y = dense(x, w, bias)
+        parts["gemm"] += time.perf_counter() - start
+        calls.append((x, w, bias))
+        return y
+
+    def timed_attend(self, *args, **kwargs):
+        start = time.perf_counter()
+        y = attend(self, *args, **kwargs)
+        parts["attention"] += time.perf_counter() - start
+        return y
+
+    rows = {"whole": [], "gemm": [], "attention": []}
+    kernels.dense_linear, kernels.CpuAttention.attend = timed_dense, timed_attend
+    try:
+        for _ in range(rounds):
+            parts.update(gemm=0.0, attention=0.0)
+            calls.clear()
+            start = time.perf_counter()
+            run()
+            rows["whole"].append(time.perf_counter() - start)
+            rows["gemm"].append(parts["gemm"])
+            rows["attention"].append(parts["attention"])
+    finally:
+        kernels.dense_linear, kernels.CpuAttention.attend = dense, attend
+    out = {k: statistics.median(v) * 1e3 for k, v in rows.items()}
+    out["rest"] = out["whole"] - out["gemm"] - out["attention"]
+    out["gflop"] = sum(2 * x.shape[:-1].numel() * w.shape[0] * w.shape[1] for x, w, _ in calls) / 1e9
+    hot = 0.0
+    for x, w, bias in calls:
+        hot += timed({"hot": lambda: dense(x, w, bias)}, 3, 3)["hot"]
+    out["gemm_hot"] = hot
+    return out
+
+
 def bench_prefill(model, options):
-    """Operator shares of an eager 494-token prefill, then eager against compiled prefill."""
+    """Operator shares of an eager 494-token prefill, its parts by wall clock against its GEMMs
+    repeated hot, then eager against compiled prefill."""
     T = 494
     model.setup_caches(1, 640)
     tokens, positions = torch.randint(0, model.args.vocab_size, (1, T)), torch.arange(T)
@@ -250,9 +297,20 @@ def bench_prefill(model, options):
         ms = timed({"eager": lambda: prefill(model, tokens, positions, pad, s, T),
                     "compiled (--compile_prefill)": lambda: compiled(model, tokens, positions, pad, s, T)},
                    options.rounds, 1)
+        parts = prefill_parts(model, lambda: prefill(model, tokens, positions, pad, s, T), options.rounds)
+    print(f"\n| eager {T}-token prefill, by wall clock | ms | share | GFLOP/s |\n|---|---|---|---|")
+    print(f"| whole | {parts['whole']:.0f} | | {parts['gflop'] / parts['whole'] * 1e3:.0f} |")
+    for name, key in (("weights' GEMMs (oneDNN), %.0f GFLOP" % parts["gflop"], "gemm"),
+                      ("attention", "attention"), ("everything else", "rest")):
+        rate = f"{parts['gflop'] / parts[key] * 1e3:.0f}" if key == "gemm" else ""
+        print(f"| {name} | {parts[key]:.0f} | {100 * parts[key] / parts['whole']:.0f}% | {rate} |")
+    print(f"| the same GEMMs, each repeated hot | {parts['gemm_hot']:.0f} | | "
+          f"{parts['gflop'] / parts['gemm_hot'] * 1e3:.0f} |")
     print(f"\n| {T}-token prefill | ms |\n|---|---|")
     for name, t in ms.items():
         print(f"| {name} | {t:.0f} |")
+    return {"tokens": T, "dtype": str(model.norm.weight.dtype).removeprefix("torch."), "eager_ms": ms["eager"],
+            "compiled_ms": ms["compiled (--compile_prefill)"], "parts_ms": parts}
 
 
 def bench_gemm(args: ModelArgs, options):
@@ -285,6 +343,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is shown")
     p.add_argument("--calls", type=int, default=20, help="layers: calls per round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, help="prefill: add its figures to this JSON file")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="verify, prefill, gemm: the model's dtype")
     options = p.parse_args(argv)
@@ -305,7 +364,10 @@ def main(argv=None):
             bench_verify(model, options)
         if options.what in ("prefill", "all"):
             print()
-            bench_prefill(model, options)
+            result = bench_prefill(model, options)
+            if options.json:  # one entry per checkpoint and dtype, kept beside the file's others
+                old = json.loads(options.json.read_text()) if options.json.is_file() else {}
+                write_json(options.json, old | {f"{options.checkpoint.name} {options.dtype}": result})
     return 0
 
 

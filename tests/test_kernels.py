@@ -348,3 +348,25 @@ def test_bench_kernels_script_help_and_missing_checkpoint(tmp_path):
     assert r.returncode == 0 and "--what" in r.stdout
     r = run_script("-m", "scripts.bench_kernels", "--checkpoint", tmp_path / "nothing", "--what", "layers")
     assert r.returncode == 1 and r.stderr.strip().startswith("error: no checkpoint at")
+
+
+def test_bench_kernels_prefill_parts_adds_up_and_restores_the_kernels():
+    if not kernels.ONEDNN:
+        pytest.skip("no oneDNN GEMM on this CPU: a prompt's products take F.linear, which the parts do not time")
+    from engine import Sampling, prefill
+    from scripts.bench_kernels import prefill_parts
+    model = kernels.install(random_model())
+    model.setup_caches(1, 320)
+    T = 300  # past 2 * PROMPT_QUERY_CHUNK: attention in chunks
+    tokens, pad = torch.randint(0, 256, (1, T)), torch.zeros(1, dtype=torch.long)
+    dense, attend = kernels.dense_linear, kernels.CpuAttention.attend
+    with torch.inference_mode():
+        parts = prefill_parts(model, lambda: prefill(model, tokens, torch.arange(T), pad, Sampling(), T), rounds=1)
+    assert kernels.dense_linear is dense and kernels.CpuAttention.attend is attend
+    # per layer wqkv (64 -> 128), wo, w1, w3, w2; the last layer's products take the last position only
+    # (one token: small_linear, not timed as a GEMM), except wqkv, whose keys and values the cache needs
+    qkv, ffn = (4 + 2 * 2) * 16 * 64, 3 * 64 * 128
+    want = 2 * (T * (qkv + 64 * 64 + ffn) + T * qkv) / 1e9
+    assert parts["gflop"] == pytest.approx(want)
+    assert parts["gemm"] > 0 and parts["attention"] > 0 and parts["gemm_hot"] > 0
+    assert parts["whole"] == pytest.approx(parts["gemm"] + parts["attention"] + parts["rest"])
