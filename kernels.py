@@ -51,6 +51,7 @@ from model import Attention
 MAX_TOKENS = 16  # queries per attention call; a batch step of a quantized model fuses this many rows
 # tokens per small_linear call; from onednn_min_tokens up, oneDNN's GEMM is faster (docs/benchmarks.md)
 LINEAR_MAX_TOKENS = 128
+TILE_MAX_TOKENS = 64  # compiled float32 products up to this many tokens: small_linear, with AVX-512
 PROMPT_QUERY_CHUNK = 128  # queries per SDPA call in a long prompt's attention (CpuAttention)
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
@@ -186,6 +187,12 @@ def onednn_min_tokens(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.bfloat16 else 16
 
 
+def compiled_onednn_min_tokens(dtype: torch.dtype) -> int:
+    """Tokens from which a compiled product takes oneDNN's GEMM: float32 with AVX-512 past 64,
+    where small_linear's 512-bit tiles stop beating it (docs/benchmarks.md); else onednn_min_tokens."""
+    return TILE_MAX_TOKENS + 1 if dtype == torch.float32 and AVX512 else onednn_min_tokens(dtype)
+
+
 def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """F.linear(x, w, bias) through oneDNN's GEMM: x (..., K), w (N, K), both float32 or both
     bfloat16 (see `uses_onednn`); (..., N) in x's dtype, accumulated in float32. w's copy from
@@ -279,10 +286,10 @@ class CpuLinear(nn.Linear):
       inductor turns into one vectorized, multi-threaded reduction that streams the weight
       (widening bfloat16 in registers) faster than BLAS and oneDNN gemv, though not at memory
       bandwidth on long rows.
-    - 16 float32 or 8 bfloat16 tokens and more (a prompt, a batch of requests, a long verify),
-      compiled or not: oneDNN's GEMM (`dense_linear`).
-    - Fewer tokens, compiled (a speculative verify, a small batch): `small_linear`, which reads
-      each weight once for all the tokens.
+    - 16 float32 or 8 bfloat16 tokens and more (a prompt, a batch of requests, a long verify):
+      oneDNN's GEMM (`dense_linear`); compiled, in float32 with AVX-512, from 65 tokens.
+    - Fewer tokens, compiled (a speculative verify, a batch step): `small_linear`, which reads
+      each weight once for all the tokens and gives a token the same bits whatever the others.
     - bfloat16, more tokens (a prompt), on a CPU without bf16 instructions: in float32, since
       oneDNN's bf16 GEMM there is much slower than widening the weight."""
 
@@ -295,7 +302,9 @@ class CpuLinear(nn.Linear):
             y = (self.weight.float() * x_row.float()).sum(-1).to(x.dtype)  # (out_features,)
             y = y.view(*x.shape[:-1], -1)  # (..., out_features)
             return y if self.bias is None else y + self.bias
-        if uses_onednn(x, self.weight):
+        # compiled, the token count is tested once (each test is a guard on the graph's shapes)
+        few = compiled_on_cpu and kernel_ok and tokens < compiled_onednn_min_tokens(x.dtype)
+        if not few and uses_onednn(x, self.weight):
             return dense_linear(x, self.weight, self.bias)
         one_token_loop = tokens == 1 and AVX512 and x.device.type == "cpu"  # BLAS gemv: 17-28 GB/s
         if kernel_ok and (one_token_loop or (compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS)):

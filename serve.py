@@ -916,7 +916,7 @@ def warm_up(engine: BatchEngine):
     with prompt rows, which need no logits) and two cache lengths, the second step changing all
     three at once so that one recompile makes the graph general in them before the first request;
     then for steps of as many rows, and as many logits, as make the float products change kernels
-    (kernels.onednn_min_tokens), which compile apart (a request would otherwise wait for the
+    (kernels.compiled_onednn_min_tokens), which compile apart (a request would otherwise wait for the
     compiler in the middle of serving)."""
     if engine.decode is decode_logits:  # not compiled
         return
@@ -930,7 +930,7 @@ def warm_up(engine: BatchEngine):
     # a prompt chunk of two tokens: one more logit-less row
     grow = (engine.min_rows, 2) if fused else (min(engine.min_rows + 1, B + 1), 0)
     plans = [step(engine.min_rows, 0, 0), step(*grow, min(200, engine.max_seq_length - 3)), step(*grow, 0)]
-    wide = kernels.onednn_min_tokens(engine.model.norm.weight.dtype)
+    wide = kernels.compiled_onednn_min_tokens(engine.model.norm.weight.dtype)
     pos = max(0, engine.max_seq_length - wide - 1)
     if fused >= wide:  # many rows, few logits: prompt tokens beside a few streams
         plans.append(step(1, wide - 1, pos))

@@ -51,18 +51,20 @@ def test_small_linear_matches_float64_reference(wdtype):
             assert err < 2e-5 * K ** 0.5, (N, K, T, err)
 
 
-def test_small_linear_gives_a_token_the_same_bits_whatever_the_token_count():
-    # 2-4 tokens run one weight row at a time, 5 or more two rows at a time, in token blocks
-    # that depend on the count: none of that may change a token's sums (a verify of k tokens
-    # must score a token as a verify of more tokens would)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_linear_gives_a_token_the_same_bits_whatever_the_token_count(dtype):
+    # rows go several at a time and the rest one by one, tokens in blocks that depend on the
+    # count: none of that may change a token's sums (a verify of k tokens must score a token as
+    # a verify of more tokens would; a batch step's row, as beside any other rows)
     if not kernels.available():
         pytest.fail("kernels.small_linear could not be built here")
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(101, 200, generator=g)
-    x = torch.randn(16, 200, generator=g)
+    w = torch.randn(101, 200, generator=g).to(dtype)  # 200: a last step of 8 columns
+    x = torch.randn(kernels.TILE_MAX_TOKENS, 200, generator=g)
     full = kernels.small_linear(x, w)
-    for T in range(2, 16):
+    for T in range(2, kernels.TILE_MAX_TOKENS):
         assert torch.equal(kernels.small_linear(x[:T], w), full[:T]), T
+        assert torch.equal(kernels.small_linear(x[-T:], w), full[-T:]), T
 
 
 def test_integer_loops_give_a_row_the_same_bits_whatever_the_other_rows():
@@ -153,27 +155,32 @@ def test_compiled_linear_uses_small_linear_for_few_tokens(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompt_sized_products_take_onednn_compiled_or_not(monkeypatch, dtype):
-    # a prompt, a batch of requests: oneDNN's GEMM from 16 float32 or 8 bfloat16 tokens, in
-    # eager and compiled forwards alike; fewer tokens keep small_linear
+    # a prompt, a batch of requests: oneDNN's GEMM from 16 float32 or 8 bfloat16 tokens; a
+    # compiled float32 product with AVX-512 keeps small_linear's tiles up to 64 tokens
     torch.manual_seed(0)
     lin = kernels.CpuLinear(96, 40, bias=True).to(dtype)
     expected_onednn = kernels.ONEDNN and (dtype == torch.float32 or kernels.CPU_HAS_BF16)
+    eager_from, compiled_from = kernels.onednn_min_tokens(dtype), kernels.compiled_onednn_min_tokens(dtype)
+    assert compiled_from == (65 if dtype == torch.float32 and kernels.AVX512 else eager_from)
     calls, graphs = [], []
     real = kernels.dense_linear
     monkeypatch.setattr(kernels, "dense_linear", lambda *a: calls.append(1) or real(*a))
 
     tol = 1e-4 if dtype == torch.float32 else 0.05  # bfloat16 output: one rounding of ~8 bits
-    for tokens in (kernels.onednn_min_tokens(dtype) - 1, kernels.onednn_min_tokens(dtype), 40):
-        calls.clear(), graphs.clear()
+    for tokens in sorted({eager_from - 1, eager_from, 40, compiled_from - 1, compiled_from}):
+        graphs.clear()
         x = torch.randn(1, tokens, 96).to(dtype)
         ref = x.double() @ lin.weight.double().t() + lin.bias.double()
         torch._dynamo.reset()
         with torch.inference_mode():
+            calls.clear()
             eager = lin(x)
+            assert bool(calls) == (expected_onednn and tokens >= eager_from), tokens
+            calls.clear()
             compiled = torch.compile(lin, fullgraph=True, backend=recording(graphs))(x)
             inductor = torch.compile(lin, fullgraph=True)(x)
-        onednn = expected_onednn and tokens >= kernels.onednn_min_tokens(dtype)
-        assert (len(calls) == 3) == onednn and any("minillm_dnn.linear" in g for g in graphs) == onednn, tokens
+        onednn = expected_onednn and tokens >= compiled_from
+        assert (len(calls) == 2) == onednn and any("minillm_dnn.linear" in g for g in graphs) == onednn, tokens
         for got in (eager, compiled, inductor):
             assert got.shape == (1, tokens, 40) and (got.double() - ref).abs().max().item() < tol, tokens
 
@@ -204,7 +211,7 @@ def test_prepacked_weights_give_the_same_bits_and_are_the_ones_read(dtype):
             torch.zeros_like(m.output.weight), kernels.onednn_min_tokens(dtype))
         assert not m.output(xs[3]).any() and m.output(xs[0]).any()  # one token reads the plain weight
         torch._dynamo.reset()
-        assert not torch.compile(m.output, fullgraph=True)(xs[3]).any()  # and so does a compiled step
+        assert not torch.compile(m.output, fullgraph=True)(xs[4]).any()  # and so does a compiled step
         kernels._PACKED[m.output.packed] = real
     handles = {mod.packed for mod in linears}
     del m, linears, weights, real
