@@ -253,15 +253,14 @@ at::Tensor tokens16(const at::Tensor& x, const W* w, int64_t N) {
   float* yp = y.data_ptr<float>();
   // up to 4 tokens the weights' read sets the pace: one row at a time, a single sequential stream
   // per thread (4 interleaved rows read ~5% slower); more tokens, 4 rows share each x vector
-  constexpr int R = 4;
-  int64_t groups = T <= 4 ? N : N / R;
-  at::parallel_for(0, groups, 16, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      if (T <= 4) rows16<1>(xp, T, K, w + i * K, yp + i, N);
-      else rows16<R>(xp, T, K, w + i * R * K, yp + i * R, N);
+  const int64_t R = T <= 4 ? 1 : 4;
+  at::parallel_for(0, N / R, 16, [&](int64_t b, int64_t e) {
+    for (int64_t n = b * R; n < e * R; n += R) {
+      if (R == 1) rows16<1>(xp, T, K, w + n * K, yp + n, N);
+      else rows16<4>(xp, T, K, w + n * K, yp + n, N);
     }
   });
-  for (int64_t n = groups * (T <= 4 ? 1 : R); n < N; ++n) rows16<1>(xp, T, K, w + n * K, yp + n, N);
+  for (int64_t n = N / R * R; n < N; ++n) rows16<1>(xp, T, K, w + n * K, yp + n, N);
   return y;
 }
 #endif
