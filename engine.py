@@ -13,6 +13,7 @@ turns. speculative.py's `SpeculativeEngine` has the same interface (`Generator`)
 import collections
 import contextlib
 import functools
+import hashlib
 import inspect
 import resource
 import statistics
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -387,6 +389,30 @@ def compile_options(device: torch.device, compile_mode: str) -> dict:
     return {"options": {"cpp_wrapper": True}}
 
 
+# the sources whose code a compiled step traces or calls
+TRACED_SOURCES = ("model.py", "engine.py", "kernels.py", "kernels.cpp", "quantize.py", "tp.py", "grammar.py",
+                  "speculative.py")
+
+
+@functools.cache
+def compile_cache_tag(root: Path = Path(__file__).resolve().parent) -> str:
+    """A tag for torch.compile's on-disk caches: a hash of TRACED_SOURCES and of the CPU features
+    that pick kernels. A graph that other code cached carries that code's shape guards (a float32
+    step split at 16 rows, say); a cache hit adds them to this code's graph, and a step that the
+    warm-up compiled would then compile again in the middle of serving."""
+    digest = hashlib.sha256(f"{kernels.AVX512} {kernels.CPU_HAS_BF16}".encode())
+    for name in TRACED_SOURCES:
+        digest.update((root / name).read_bytes())
+    return "minillm-" + digest.hexdigest()[:16]
+
+
+def tag_compile_cache():
+    """Key torch.compile's caches by compile_cache_tag (beside any tag the user set)."""
+    tag, current = compile_cache_tag(), torch.compiler.config.cache_key_tag
+    if tag not in current:
+        torch.compiler.config.cache_key_tag = f"{current}:{tag}" if current else tag
+
+
 def compile_step(fn: Callable, model: Transformer, compile_mode: str = "default", **options) -> Callable:
     """torch.compile(fn, fullgraph=True) for a step fn(model, ...). compile_mode: default, one graph
     of the whole step; regional, a step that calls one compiled layer for every layer alike (a
@@ -394,6 +420,7 @@ def compile_step(fn: Callable, model: Transformer, compile_mode: str = "default"
     model, docs/benchmarks.md); max, see compile_options."""
     if compile_mode not in COMPILE_MODES:
         raise UserError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, not {compile_mode!r}")
+    tag_compile_cache()
     if compile_mode == "regional":
         # static shapes unless the caller says otherwise: in torch 2.13 a region reused in a graph
         # made dynamic by a later recompile can fail to trace
@@ -539,6 +566,7 @@ class Engine(Generator):
         if compile:
             self.decode_one_token = compile_step(decode_one_token, model, compile_mode)
         if compile_prefill:
+            tag_compile_cache()
             self.prefill = torch.compile(prefill, dynamic=True, fullgraph=True)
         # forced tokens after a sampled one (jump-forward): a few tokens, compiled for any count
         # (compiled when first used; warm_up(host=True) does it)

@@ -2,6 +2,8 @@
 prefix reuse, per-request seeds and sampling, cancellation and faults that end one request only."""
 import copy
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,6 +119,26 @@ def test_warm_up_compiles_every_step_shape():
     assert all(r.error is None for r in reqs) and len(reqs[16].prompt) + len(reqs[16].out) > 256
     if kernels.available():
         assert max(widths) > 16 and min(widths) < 16, widths
+
+
+def test_compile_caches_are_keyed_by_the_traced_code(tmp_path, monkeypatch):
+    """A graph that other code cached brings that code's shape guards along (a float32 step split at
+    16 rows: the warm-up's steps then compile again in the middle of serving), so compiled steps key
+    torch.compile's on-disk caches by a hash of the sources they trace, beside the user's own tag."""
+    import engine
+    root = Path(engine.__file__).resolve().parent
+    same, edited = tmp_path / "same", tmp_path / "edited"
+    for folder in (same, edited):
+        folder.mkdir()
+        for name in engine.TRACED_SOURCES:
+            shutil.copy(root / name, folder / name)
+    source = (root / "kernels.py").read_text()
+    assert "TILE_MAX_TOKENS = 64" in source
+    (edited / "kernels.py").write_text(source.replace("TILE_MAX_TOKENS = 64", "TILE_MAX_TOKENS = 48"))
+    assert engine.compile_cache_tag(same) == engine.compile_cache_tag(root) != engine.compile_cache_tag(edited)
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
+    BatchEngine(random_model(), max_batch_size=2, max_seq_length=32, compile=True)
+    assert torch.compiler.config.cache_key_tag == "mine:" + engine.compile_cache_tag()
 
 
 def occupy(engine: BatchEngine, streams: int, prompt_len: int) -> Request:
