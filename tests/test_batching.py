@@ -121,7 +121,7 @@ def test_warm_up_compiles_every_step_shape():
         assert max(widths) > 16 and min(widths) < 16, widths
 
 
-def test_compile_caches_are_keyed_by_the_traced_code(tmp_path, monkeypatch):
+def test_compile_caches_are_keyed_by_the_traced_code(tmp_path):
     """A graph that other code cached brings that code's shape guards along (a float32 step split at
     16 rows: the warm-up's steps then compile again in the middle of serving), so compiled steps key
     torch.compile's on-disk caches by a hash of the sources they trace, beside the user's own tag."""
@@ -136,9 +136,9 @@ def test_compile_caches_are_keyed_by_the_traced_code(tmp_path, monkeypatch):
     assert "TILE_MAX_TOKENS = 64" in source
     (edited / "kernels.py").write_text(source.replace("TILE_MAX_TOKENS = 64", "TILE_MAX_TOKENS = 48"))
     assert engine.compile_cache_tag(same) == engine.compile_cache_tag(root) != engine.compile_cache_tag(edited)
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
-    BatchEngine(random_model(), max_batch_size=2, max_seq_length=32, compile=True)
-    assert torch.compiler.config.cache_key_tag == "mine:" + engine.compile_cache_tag()
+    with torch.compiler.config.patch(cache_key_tag="mine"):  # (monkeypatch's undo deletes a config entry)
+        BatchEngine(random_model(), max_batch_size=2, max_seq_length=32, compile=True)
+        assert torch.compiler.config.cache_key_tag == "mine:" + engine.compile_cache_tag()
 
 
 def occupy(engine: BatchEngine, streams: int, prompt_len: int) -> Request:
