@@ -102,6 +102,39 @@ def test_integer_loops_give_a_token_the_same_bits_whatever_the_other_tokens():
         assert torch.equal(kernels.q4_linear(x[a:b], q4, s4, z4, 32), full4[a:b]), (a, b)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,T,D", [(7, 1, 64), (3, 1, 24), (4, 3, 72), (2, 2, 16), (1, 1, 40)])
+def test_attend_shares_loads_across_a_group_with_each_rows_own_bits(G, T, D, kv_dtype):
+    """A batch step's attention takes a KV head's queries up to 4 at a time (one load of each key
+    and value for all of them): against float64, and each row's bits those of the row alone (one
+    query at a time), with rows from a whole cache, soft-capping and masks with holes."""
+    if not kernels.available():
+        pytest.fail("the kernels could not be built here")
+    g = torch.Generator().manual_seed(G * 100 + T * 10 + D)
+    B, H, S = 6, 2, 50
+    q = torch.randn(B, H, G * T, D, generator=g)
+    k, v = (torch.randn(B + 2, H, S, D, generator=g).to(kv_dtype) for _ in range(2))
+    rows = torch.randperm(B + 2, generator=g)[:B]
+    mask = torch.zeros(B, 1, T, S)
+    for b in range(B):
+        for t in range(T):
+            mask[b, 0, t, 30 + 3 * b + t:] = float("-inf")
+    mask[1, 0, :, :5] = float("-inf")  # a sliding window's start
+    mask[2, 0, :, 7:9] = float("-inf")  # a hole
+    for softcap in (0.0, 5.0):
+        out = kernels.attend(q, k, v, mask, 0.3, softcap, rows)
+        scores = q.double().view(B, H, G, T, D) @ k[rows].double().unsqueeze(2).transpose(-1, -2) * 0.3
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        want = torch.softmax(scores + mask.double().unsqueeze(1), -1) @ v[rows].double().unsqueeze(2)
+        torch.testing.assert_close(out.double(), want.reshape(B, H, G * T, D), rtol=1e-5, atol=1e-5)
+        for b in range(B):
+            for h in range(H):
+                alone = kernels.attend(q[b:b + 1, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], mask[b:b + 1], 0.3, softcap,
+                                       rows[b:b + 1])
+                assert torch.equal(alone[0, 0], out[b, h]), (softcap, b, h)
+
+
 def test_kernels_give_the_same_bits_with_any_thread_count():
     # the loops split output rows (or attention rows) between threads, never a sum: the test suite
     # runs one thread per worker, so the split itself is checked here
