@@ -741,9 +741,32 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// softmax over the scores p[0, n) whose largest is mx, in place; returns their sum
-inline float exp_in_place(float* p, int64_t n, float mx) {
-  int64_t j = 0;
+// One query row: out = softmax(scale * q.k_j (soft-capped) + m_j) . v_j over keys j, D % 8 == 0.
+template <typename KV>
+void attend_row(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs, const float* m, int64_t S,
+                int64_t D, float scale, float softcap, float* out, float* p) {
+  const float NEG = -std::numeric_limits<float>::infinity();
+  int64_t lo = 0, hi = S;  // the keys the mask allows lie in [lo, hi)
+  while (lo < hi && m[lo] == NEG) ++lo;
+  while (hi > lo && m[hi - 1] == NEG) --hi;
+  float mx = NEG;
+  for (int64_t j = lo; j < hi; ++j) {
+    if (m[j] == NEG) { p[j - lo] = NEG; continue; }
+    const KV* kj = k + j * ks;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(kj + d + 8), a1);
+    }
+    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a0);
+    float s = hsum(_mm256_add_ps(a0, a1)) * scale;
+    if (softcap > 0) s = std::tanh(s / softcap) * softcap;
+    s += m[j];
+    p[j - lo] = s;
+    mx = std::max(mx, s);
+  }
+  int64_t n = hi - lo, j = 0;
   __m256 total = _mm256_setzero_ps();
   for (; j + 8 <= n; j += 8) {
     __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(mx)));
@@ -756,90 +779,34 @@ inline float exp_in_place(float* p, int64_t n, float mx) {
     p[j] = e;
     sum += e;
   }
-  return sum;
-}
-
-// W vectors (8W columns from d0) of NQ rows' outputs: acc = sum over keys jj of p_g[jj] v_j, each
-// row's keys in order, skipping its zero weights; each value vector loaded once for the NQ rows.
-template <int NQ, int W, typename KV>
-inline void weigh_values(const KV* v, int64_t vs, int64_t lo, int64_t n, float* const* p, const float* inv,
-                         float* const* out, int64_t d0) {
-  __m256 acc[NQ][W];
-  for (int g = 0; g < NQ; ++g)
-    for (int i = 0; i < W; ++i) acc[g][i] = _mm256_setzero_ps();
-  for (int64_t jj = 0; jj < n; ++jj) {
-    const KV* vj = v + (lo + jj) * vs + d0;
-    __m256 vv[W];
-    for (int i = 0; i < W; ++i) vv[i] = load8(vj + 8 * i);
-    for (int g = 0; g < NQ; ++g) {
-      if (p[g][jj] == 0.f) continue;
-      __m256 pj = _mm256_set1_ps(p[g][jj]);
-      for (int i = 0; i < W; ++i) acc[g][i] = _mm256_fmadd_ps(pj, vv[i], acc[g][i]);
-    }
-  }
-  for (int g = 0; g < NQ; ++g)
-    for (int i = 0; i < W; ++i) _mm256_storeu_ps(out[g] + d0 + 8 * i, _mm256_mul_ps(acc[g][i], _mm256_set1_ps(inv[g])));
-}
-
-// NQ query rows q[g] under one mask row m (a GQA group's queries of one token):
-// out[g] = softmax(scale * q[g].k_j (soft-capped) + m_j) . v_j over keys j, D % 8 == 0. Each key
-// and value is loaded once for the NQ rows; each row's sums run in the same order whatever NQ, so
-// a row's bits do not depend on how many rows share its loads. p: NQ * S floats of scratch.
-template <int NQ, typename KV>
-void attend_rows(const float* const* q, const KV* k, int64_t ks, const KV* v, int64_t vs, const float* m, int64_t S,
-                 int64_t D, float scale, float softcap, float* const* out, float* scratch) {
-  const float NEG = -std::numeric_limits<float>::infinity();
-  int64_t lo = 0, hi = S;  // the keys the mask allows lie in [lo, hi)
-  while (lo < hi && m[lo] == NEG) ++lo;
-  while (hi > lo && m[hi - 1] == NEG) --hi;
-  float* p[NQ];
-  float mx[NQ], inv[NQ];
-  for (int g = 0; g < NQ; ++g) p[g] = scratch + g * S, mx[g] = NEG;
-  for (int64_t j = lo; j < hi; ++j) {
-    if (m[j] == NEG) {
-      for (int g = 0; g < NQ; ++g) p[g][j - lo] = NEG;
-      continue;
-    }
-    const KV* kj = k + j * ks;
-    __m256 a0[NQ], a1[NQ];
-    for (int g = 0; g < NQ; ++g) a0[g] = a1[g] = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      __m256 k0 = load8(kj + d), k1 = load8(kj + d + 8);
-      for (int g = 0; g < NQ; ++g) {
-        a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), k0, a0[g]);
-        a1[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d + 8), k1, a1[g]);
+  const __m256 inv = _mm256_set1_ps(n > 0 ? 1.f / sum : 0.f);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 accumulators of the output at a time
+    int64_t w = std::min<int64_t>(64, D - d0) / 8;
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t jj = 0; jj < n; ++jj) {
+      if (p[jj] == 0.f) continue;
+      const KV* vj = v + (lo + jj) * vs + d0;
+      __m256 pj = _mm256_set1_ps(p[jj]);
+      switch (w) {  // named registers: an indexed loop would keep them on the stack
+        case 8: acc[7] = _mm256_fmadd_ps(pj, load8(vj + 56), acc[7]); [[fallthrough]];
+        case 7: acc[6] = _mm256_fmadd_ps(pj, load8(vj + 48), acc[6]); [[fallthrough]];
+        case 6: acc[5] = _mm256_fmadd_ps(pj, load8(vj + 40), acc[5]); [[fallthrough]];
+        case 5: acc[4] = _mm256_fmadd_ps(pj, load8(vj + 32), acc[4]); [[fallthrough]];
+        case 4: acc[3] = _mm256_fmadd_ps(pj, load8(vj + 24), acc[3]); [[fallthrough]];
+        case 3: acc[2] = _mm256_fmadd_ps(pj, load8(vj + 16), acc[2]); [[fallthrough]];
+        case 2: acc[1] = _mm256_fmadd_ps(pj, load8(vj + 8), acc[1]); [[fallthrough]];
+        case 1: acc[0] = _mm256_fmadd_ps(pj, load8(vj), acc[0]);
       }
     }
-    if (d < D) {
-      __m256 k0 = load8(kj + d);
-      for (int g = 0; g < NQ; ++g) a0[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), k0, a0[g]);
-    }
-    for (int g = 0; g < NQ; ++g) {
-      float s = hsum(_mm256_add_ps(a0[g], a1[g])) * scale;
-      if (softcap > 0) s = std::tanh(s / softcap) * softcap;
-      s += m[j];
-      p[g][j - lo] = s;
-      mx[g] = std::max(mx[g], s);
-    }
+    for (int i = 0; i < w; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], inv));
   }
-  int64_t n = hi - lo;
-  for (int g = 0; g < NQ; ++g) {
-    float sum = exp_in_place(p[g], n, mx[g]);
-    inv[g] = n > 0 ? 1.f / sum : 0.f;
-  }
-  constexpr int W = NQ == 1 ? 8 : NQ == 2 ? 4 : 2;  // NQ * W accumulators
-  int64_t d0 = 0;
-  for (; d0 + 8 * W <= D; d0 += 8 * W) weigh_values<NQ, W>(v, vs, lo, n, p, inv, out, d0);
-  for (; d0 < D; d0 += 8) weigh_values<NQ, 1>(v, vs, lo, n, p, inv, out, d0);
 }
 
 // q (B, H, R, D) float32 with R = group * T query rows per KV head (row g * T + t is query t);
 // k, v (B, H, S, D) float32 or bfloat16, any strides with unit stride along D; mask (B, 1, T, S)
 // float32, additive. With `rows` (B,) int64, k and v are a whole cache (any number of rows) and
-// batch row b reads cache row rows[b]. Returns (B, H, R, D) float32. A batch step (many KV heads'
-// worth of work) takes each token's group of queries up to 4 at a time, which then share their
-// key and value loads; a lone stream's heads, one query each, so that both threads have work.
+// batch row b reads cache row rows[b]. Returns (B, H, R, D) float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                   double scale, double softcap, const c10::optional<at::Tensor>& rows) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "attend: 4-d tensors");
@@ -861,35 +828,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const float* qp = qc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t G = R / T, units = B * H * T;  // a unit: one token's queries under one KV head
-  const int64_t per = units >= 4 * at::get_num_threads() ? std::min<int64_t>(G, 4) : 1;  // queries a call
-  const int64_t blocks = (G + per - 1) / per;
-  auto run = [&](auto* kp, auto* vp, int64_t u0, int64_t u1) {
-    std::vector<float> scratch(4 * S);
-    for (int64_t u = u0; u < u1; ++u) {
-      int64_t unit = u / blocks, g0 = u % blocks * per, nq = std::min(per, G - g0);
-      int64_t b = unit / (H * T), h = unit / T % H, t = unit % T, row = rp ? rp[b] : b;
-      const float* qs[4];
-      float* outs[4];
-      for (int64_t g = 0; g < nq; ++g) {
-        int64_t i = (b * H + h) * R + (g0 + g) * T + t;
-        qs[g] = qp + i * D, outs[g] = op + i * D;
-      }
-      auto* kr = kp + row * k.stride(0) + h * k.stride(1);
-      auto* vr = vp + row * v.stride(0) + h * v.stride(1);
-      const float* m = mp + (b * T + t) * S;
-      float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-      switch (nq) {
-        case 4: attend_rows<4>(qs, kr, k.stride(2), vr, v.stride(2), m, S, D, sc, cap, outs, scratch.data()); break;
-        case 3: attend_rows<3>(qs, kr, k.stride(2), vr, v.stride(2), m, S, D, sc, cap, outs, scratch.data()); break;
-        case 2: attend_rows<2>(qs, kr, k.stride(2), vr, v.stride(2), m, S, D, sc, cap, outs, scratch.data()); break;
-        default: attend_rows<1>(qs, kr, k.stride(2), vr, v.stride(2), m, S, D, sc, cap, outs, scratch.data());
-      }
+  auto run = [&](auto* kp, auto* vp, int64_t r0, int64_t r1) {
+    std::vector<float> p(S);
+    for (int64_t i = r0; i < r1; ++i) {
+      int64_t b = i / (H * R), h = (i / R) % H, r = i % R, row = rp ? rp[b] : b;
+      attend_row(qp + i * D, kp + row * k.stride(0) + h * k.stride(1), k.stride(2), vp + row * v.stride(0) + h * v.stride(1),
+                 v.stride(2), mp + (b * T + r % T) * S, S, D, static_cast<float>(scale), static_cast<float>(softcap),
+                 op + i * D, p.data());
     }
   };
-  at::parallel_for(0, units * blocks, 1, [&](int64_t u0, int64_t u1) {
-    if (k.scalar_type() == at::kFloat) run(k.data_ptr<float>(), v.data_ptr<float>(), u0, u1);
-    else run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), u0, u1);
+  at::parallel_for(0, B * H * R, 1, [&](int64_t r0, int64_t r1) {
+    if (k.scalar_type() == at::kFloat) run(k.data_ptr<float>(), v.data_ptr<float>(), r0, r1);
+    else run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), r0, r1);
   });
   return out;
 }

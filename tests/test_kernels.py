@@ -104,10 +104,10 @@ def test_integer_loops_give_a_token_the_same_bits_whatever_the_other_tokens():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("G,T,D", [(7, 1, 64), (3, 1, 24), (4, 3, 72), (2, 2, 16), (1, 1, 40)])
-def test_attend_shares_loads_across_a_group_with_each_rows_own_bits(G, T, D, kv_dtype):
-    """A batch step's attention takes a KV head's queries up to 4 at a time (one load of each key
-    and value for all of them): against float64, and each row's bits those of the row alone (one
-    query at a time), with rows from a whole cache, soft-capping and masks with holes."""
+def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dtype):
+    """A batch step's attention (GQA groups of 1 to 7 queries, verify tokens, head sizes with a
+    tail) against float64, and each row's bits those of the row alone, with rows from a whole
+    cache, soft-capping, and masks with holes."""
     if not kernels.available():
         pytest.fail("the kernels could not be built here")
     g = torch.Generator().manual_seed(G * 100 + T * 10 + D)
