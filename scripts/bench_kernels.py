@@ -7,6 +7,7 @@
     python -m scripts.bench_kernels --what prefill   # where a 494-token prefill spends its time
     python -m scripts.bench_kernels --what prefill --dtype bfloat16   # the same in bfloat16
     python -m scripts.bench_kernels --what gemm      # BLAS, oneDNN and small_linear by token count
+    python -m scripts.bench_kernels --what attend    # a batch step's attention and its read rate
 
 Run from the repository root. The model runs with kernels.py's CPU paths installed, as
 engine.load_model does.
@@ -333,19 +334,47 @@ def bench_gemm(args: ModelArgs, options):
                 print(f"| {kind} {out}x{inp} | {T} | " + " | ".join(cells) + " |")
 
 
+def bench_attend(args: ModelArgs, options) -> dict:
+    """A batch step's attention over every layer (kernels.attend, milliseconds a step) and the
+    rate it reads keys and values at, over a server's cache (17 rows of 4,096 positions a layer,
+    so that they come from memory, as in a step, where the weights pass through the caches)."""
+    if not kernels.available():
+        print("attend: the kernels could not be built here", file=sys.stderr)
+        return {}
+    H, G, L, S = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.n_layers, 4096
+    D = args.head_dim or args.dim // args.n_heads
+    dtype = getattr(torch, options.dtype)
+    caches = [(torch.randn(17, H, S, D).to(dtype), torch.randn(17, H, S, D).to(dtype)) for _ in range(L)]
+    print(f"| {options.dtype} cache: rows | position | ms a step | keys and values read (GB/s) |\n|---|---|---|---|")
+    result = {}
+    with torch.inference_mode():
+        for B in (2, 16, 64):
+            rows = torch.arange(B) % 16  # 16 cache rows (a prompt chunk's rows share one)
+            for pos in (300, 1000, 3000):
+                q = torch.randn(B, H, G, D)
+                mask = torch.zeros(B, 1, 1, S)
+                mask[..., pos:] = float("-inf")
+                ms = timed({"attend": lambda: [kernels.attend(q, k, v, mask, D ** -0.5, 0.0, rows) for k, v in caches]},
+                           options.rounds, 2)["attend"]
+                gbs = 2 * L * B * H * pos * D * caches[0][0].element_size() / (ms * 1e6)
+                print(f"| {B} | {pos} | {ms:.2f} | {gbs:.1f} |")
+                result[f"{B} rows at {pos}"] = {"ms": ms, "GB/s": gbs}
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "smollm2-135m",
                    help="model whose shapes (layers) or weights (verify, prefill) are used")
-    p.add_argument("--what", choices=["layers", "kinds", "verify", "prefill", "gemm", "all"], default="all")
+    p.add_argument("--what", choices=["layers", "kinds", "verify", "prefill", "gemm", "attend", "all"], default="all")
     p.add_argument("--speculate_k", type=int, default=8, help="verify: proposals per verify forward")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is shown")
     p.add_argument("--calls", type=int, default=20, help="layers: calls per round")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", type=Path, help="prefill: add its figures to this JSON file")
+    p.add_argument("--json", type=Path, help="prefill, attend: add its figures to this JSON file")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="verify, prefill, gemm: the model's dtype")
+                   help="verify, prefill, gemm: the model's dtype; attend: the cache's")
     options = p.parse_args(argv)
     if not (options.checkpoint / "config.json").is_file():
         print(f"error: no checkpoint at {options.checkpoint} (python download.py smollm2-135m)", file=sys.stderr)
@@ -357,6 +386,11 @@ def main(argv=None):
         bench_kinds(ModelArgs.from_json(options.checkpoint / "config.json"), options)
     if options.what in ("gemm", "all"):
         bench_gemm(ModelArgs.from_json(options.checkpoint / "config.json"), options)
+    if options.what in ("attend", "all"):
+        result = bench_attend(ModelArgs.from_json(options.checkpoint / "config.json"), options)
+        if options.json:
+            old = json.loads(options.json.read_text()) if options.json.is_file() else {}
+            write_json(options.json, old | {f"attend {options.checkpoint.name} {options.dtype}": result})
     if options.what in ("verify", "prefill", "all"):
         model = kernels.install(load_model(options.checkpoint, torch.device("cpu"), getattr(torch, options.dtype)))
         if options.what in ("verify", "all"):
