@@ -362,6 +362,12 @@ def bench_attend(args: ModelArgs, options) -> dict:
     return result
 
 
+def add_to_json(path: Path, key: str, result: dict):
+    """One entry per measurement, checkpoint and dtype, kept beside the file's others."""
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    write_json(path, old | {key: result})
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -389,8 +395,7 @@ def main(argv=None):
     if options.what in ("attend", "all"):
         result = bench_attend(ModelArgs.from_json(options.checkpoint / "config.json"), options)
         if options.json:
-            old = json.loads(options.json.read_text()) if options.json.is_file() else {}
-            write_json(options.json, old | {f"attend {options.checkpoint.name} {options.dtype}": result})
+            add_to_json(options.json, f"attend {options.checkpoint.name} {options.dtype}", result)
     if options.what in ("verify", "prefill", "all"):
         model = kernels.install(load_model(options.checkpoint, torch.device("cpu"), getattr(torch, options.dtype)))
         if options.what in ("verify", "all"):
@@ -399,9 +404,8 @@ def main(argv=None):
         if options.what in ("prefill", "all"):
             print()
             result = bench_prefill(model, options)
-            if options.json:  # one entry per checkpoint and dtype, kept beside the file's others
-                old = json.loads(options.json.read_text()) if options.json.is_file() else {}
-                write_json(options.json, old | {f"{options.checkpoint.name} {options.dtype}": result})
+            if options.json:
+                add_to_json(options.json, f"{options.checkpoint.name} {options.dtype}", result)
     return 0
 
 
