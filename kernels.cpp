@@ -741,66 +741,129 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// lane i of the result: the sum of a[i]'s lanes
+inline __m256 reduce8(const __m256* a) {
+  __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+// q . k as 8 partial sums, one multiply-add chain over D (so a key's score never depends on its
+// neighbours'); with AVX-512, 16 lanes folded to 8.
+template <typename KV>
+inline __m256 key_dot(const float* q, const KV* k, int64_t D) {
+#ifdef __AVX512F__
+  if (D % 16 == 0) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), s);
+    return _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  }
+#endif
+  __m256 s = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), s);
+  return s;
+}
+
+// out[0, 8W) = inv * sum_j p_j v_j[0, 8W): W accumulators in registers, keys of weight 0 skipped
+template <int W, typename KV>
+inline void weigh_values(const float* p, int64_t n, const KV* v, int64_t vs, float inv, float* out) {
+  __m256 acc[W];
+  for (int i = 0; i < W; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (p[j] == 0.f) continue;
+    __m256 pj = _mm256_set1_ps(p[j]);
+    for (int i = 0; i < W; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(v + j * vs + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < W; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+}
+
+#ifdef __AVX512F__
+template <int W, typename KV>  // as above, 16 lanes: a 256-wide head in one pass over the weights
+inline void weigh_values16(const float* p, int64_t n, const KV* v, int64_t vs, float inv, float* out) {
+  __m512 acc[W];
+  for (int i = 0; i < W; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (p[j] == 0.f) continue;
+    __m512 pj = _mm512_set1_ps(p[j]);
+    for (int i = 0; i < W; ++i) acc[i] = _mm512_fmadd_ps(pj, load16(v + j * vs + 16 * i), acc[i]);
+  }
+  for (int i = 0; i < W; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
+}
+#endif
+
+template <typename KV>
+void weigh_all_values(const float* p, int64_t n, const KV* v, int64_t vs, int64_t D, float inv, float* out) {
+#ifdef __AVX512F__
+  if (D % 16 == 0 && D <= 256) {
+    switch (D / 16) {  // the accumulators' count fixed at compile time, so they stay in registers
+      case 16: return weigh_values16<16>(p, n, v, vs, inv, out);
+      case 8: return weigh_values16<8>(p, n, v, vs, inv, out);
+      case 4: return weigh_values16<4>(p, n, v, vs, inv, out);
+      default: break;
+    }
+  }
+#endif
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    switch (std::min<int64_t>(64, D - d0) / 8) {
+      case 8: weigh_values<8>(p, n, v + d0, vs, inv, out + d0); break;
+      case 7: weigh_values<7>(p, n, v + d0, vs, inv, out + d0); break;
+      case 6: weigh_values<6>(p, n, v + d0, vs, inv, out + d0); break;
+      case 5: weigh_values<5>(p, n, v + d0, vs, inv, out + d0); break;
+      case 4: weigh_values<4>(p, n, v + d0, vs, inv, out + d0); break;
+      case 3: weigh_values<3>(p, n, v + d0, vs, inv, out + d0); break;
+      case 2: weigh_values<2>(p, n, v + d0, vs, inv, out + d0); break;
+      default: weigh_values<1>(p, n, v + d0, vs, inv, out + d0); break;
+    }
+  }
+}
+
 // One query row: out = softmax(scale * q.k_j (soft-capped) + m_j) . v_j over keys j, D % 8 == 0.
+// Scores go 8 keys at a time, each key's dot product read front to back (so the hardware
+// prefetcher sees one sequential stream) and the 8 sums reduced together; p holds S + 8 floats.
 template <typename KV>
 void attend_row(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs, const float* m, int64_t S,
                 int64_t D, float scale, float softcap, float* out, float* p) {
   const float NEG = -std::numeric_limits<float>::infinity();
-  int64_t lo = 0, hi = S;  // the keys the mask allows lie in [lo, hi)
-  while (lo < hi && m[lo] == NEG) ++lo;
+  const __m256 neg = _mm256_set1_ps(NEG);
+  auto masked8 = [&](int64_t j) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(m + j), neg, _CMP_EQ_OQ)) == 0xff;
+  };
+  int64_t lo = 0, hi = S;  // the keys the mask allows lie in [lo, hi): a server's mask is mostly -inf
+  while (hi - lo >= 8 && masked8(hi - 8)) hi -= 8;
   while (hi > lo && m[hi - 1] == NEG) --hi;
-  float mx = NEG;
-  for (int64_t j = lo; j < hi; ++j) {
-    if (m[j] == NEG) { p[j - lo] = NEG; continue; }
-    const KV* kj = k + j * ks;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-    int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(kj + d + 8), a1);
+  while (hi - lo >= 8 && masked8(lo)) lo += 8;
+  while (lo < hi && m[lo] == NEG) ++lo;
+  const int64_t n = hi - lo;
+  k += lo * ks, v += lo * vs, m += lo;
+  __m256 vmax = neg;
+  for (int64_t j = 0; j < n; j += 8) {
+    const int64_t c = std::min<int64_t>(8, n - j);
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = i < c ? key_dot(q, k + (j + i) * ks, D) : _mm256_setzero_ps();
+    alignas(32) float t[8];
+    __m256 s = _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale));
+    if (softcap > 0) {
+      _mm256_store_ps(t, s);
+      for (int i = 0; i < 8; ++i) t[i] = std::tanh(t[i] / softcap) * softcap;
+      s = _mm256_load_ps(t);
     }
-    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kj + d), a0);
-    float s = hsum(_mm256_add_ps(a0, a1)) * scale;
-    if (softcap > 0) s = std::tanh(s / softcap) * softcap;
-    s += m[j];
-    p[j - lo] = s;
-    mx = std::max(mx, s);
+    for (int i = 0; i < 8; ++i) t[i] = i < c ? m[j + i] : NEG;
+    __m256 mj = _mm256_load_ps(t);
+    // a masked key scores -inf whatever its cache slot holds (an unwritten slot may hold NaN)
+    s = _mm256_blendv_ps(_mm256_add_ps(s, mj), neg, _mm256_cmp_ps(mj, neg, _CMP_EQ_OQ));
+    vmax = _mm256_max_ps(vmax, s);
+    _mm256_storeu_ps(p + j, s);
   }
-  int64_t n = hi - lo, j = 0;
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const __m256 mx = _mm256_set1_ps(std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1))));
   __m256 total = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(mx)));
+  for (int64_t j = 0; j < n; j += 8) {  // the last block's lanes past n were -inf: weight 0
+    __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + j), mx));
     _mm256_storeu_ps(p + j, e);
     total = _mm256_add_ps(total, e);
   }
-  float sum = hsum(total);
-  for (; j < n; ++j) {  // the tail, through the same vector code
-    float e = _mm256_cvtss_f32(exp_neg(_mm256_set1_ps(p[j] - mx)));
-    p[j] = e;
-    sum += e;
-  }
-  const __m256 inv = _mm256_set1_ps(n > 0 ? 1.f / sum : 0.f);
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 accumulators of the output at a time
-    int64_t w = std::min<int64_t>(64, D - d0) / 8;
-    __m256 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t jj = 0; jj < n; ++jj) {
-      if (p[jj] == 0.f) continue;
-      const KV* vj = v + (lo + jj) * vs + d0;
-      __m256 pj = _mm256_set1_ps(p[jj]);
-      switch (w) {  // named registers: an indexed loop would keep them on the stack
-        case 8: acc[7] = _mm256_fmadd_ps(pj, load8(vj + 56), acc[7]); [[fallthrough]];
-        case 7: acc[6] = _mm256_fmadd_ps(pj, load8(vj + 48), acc[6]); [[fallthrough]];
-        case 6: acc[5] = _mm256_fmadd_ps(pj, load8(vj + 40), acc[5]); [[fallthrough]];
-        case 5: acc[4] = _mm256_fmadd_ps(pj, load8(vj + 32), acc[4]); [[fallthrough]];
-        case 4: acc[3] = _mm256_fmadd_ps(pj, load8(vj + 24), acc[3]); [[fallthrough]];
-        case 3: acc[2] = _mm256_fmadd_ps(pj, load8(vj + 16), acc[2]); [[fallthrough]];
-        case 2: acc[1] = _mm256_fmadd_ps(pj, load8(vj + 8), acc[1]); [[fallthrough]];
-        case 1: acc[0] = _mm256_fmadd_ps(pj, load8(vj), acc[0]);
-      }
-    }
-    for (int i = 0; i < w; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(acc[i], inv));
-  }
+  weigh_all_values(p, n, v, vs, D, n > 0 ? 1.f / hsum(total) : 0.f, out);
 }
 
 // q (B, H, R, D) float32 with R = group * T query rows per KV head (row g * T + t is query t);
@@ -829,7 +892,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   auto run = [&](auto* kp, auto* vp, int64_t r0, int64_t r1) {
-    std::vector<float> p(S);
+    std::vector<float> p(S + 8);
     for (int64_t i = r0; i < r1; ++i) {
       int64_t b = i / (H * R), h = (i / R) % H, r = i % R, row = rp ? rp[b] : b;
       attend_row(qp + i * D, kp + row * k.stride(0) + h * k.stride(1), k.stride(2), vp + row * v.stride(0) + h * v.stride(1),

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import kernels
 import quantize as Q
 from checkpoint import write_json
-from engine import Sampling, decode_one_token, load_model, prefill
+from engine import Sampling, bucket, decode_one_token, load_model, prefill
 from model import ModelArgs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -337,7 +337,8 @@ def bench_gemm(args: ModelArgs, options):
 def bench_attend(args: ModelArgs, options) -> dict:
     """A batch step's attention over every layer (kernels.attend, milliseconds a step) and the
     rate it reads keys and values at, over a server's cache (17 rows of 4,096 positions a layer,
-    so that they come from memory, as in a step, where the weights pass through the caches)."""
+    so that they come from memory, as in a step, where the weights pass through the caches),
+    under a step's mask: as wide as BatchEngine's bucket of the position."""
     if not kernels.available():
         print("attend: the kernels could not be built here", file=sys.stderr)
         return {}
@@ -352,9 +353,11 @@ def bench_attend(args: ModelArgs, options) -> dict:
             rows = torch.arange(B) % 16  # 16 cache rows (a prompt chunk's rows share one)
             for pos in (300, 1000, 3000):
                 q = torch.randn(B, H, G, D)
-                mask = torch.zeros(B, 1, 1, S)
+                width = bucket(pos + 1, S)
+                mask = torch.zeros(B, 1, 1, width)
                 mask[..., pos:] = float("-inf")
-                ms = timed({"attend": lambda: [kernels.attend(q, k, v, mask, D ** -0.5, 0.0, rows) for k, v in caches]},
+                step = [(k[:, :, :width], v[:, :, :width]) for k, v in caches]
+                ms = timed({"attend": lambda: [kernels.attend(q, k, v, mask, D ** -0.5, 0.0, rows) for k, v in step]},
                            options.rounds, 2)["attend"]
                 gbs = 2 * L * B * H * pos * D * caches[0][0].element_size() / (ms * 1e6)
                 print(f"| {B} | {pos} | {ms:.2f} | {gbs:.1f} |")

@@ -103,11 +103,12 @@ def test_integer_loops_give_a_token_the_same_bits_whatever_the_other_tokens():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("G,T,D", [(7, 1, 64), (3, 1, 24), (4, 3, 72), (2, 2, 16), (1, 1, 40)])
+@pytest.mark.parametrize("G,T,D", [(7, 1, 64), (3, 1, 24), (4, 3, 72), (2, 2, 16), (1, 1, 40), (4, 1, 256),
+                                   (2, 2, 128)])
 def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dtype):
     """A batch step's attention (GQA groups of 1 to 7 queries, verify tokens, head sizes with a
     tail) against float64, and each row's bits those of the row alone, with rows from a whole
-    cache, soft-capping, and masks with holes."""
+    cache, soft-capping, masks with holes, and NaN in slots that a row's mask hides."""
     if not kernels.available():
         pytest.fail("the kernels could not be built here")
     g = torch.Generator().manual_seed(G * 100 + T * 10 + D)
@@ -121,8 +122,10 @@ def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dt
             mask[b, 0, t, 30 + 3 * b + t:] = float("-inf")
     mask[1, 0, :, :5] = float("-inf")  # a sliding window's start
     mask[2, 0, :, 7:9] = float("-inf")  # a hole
+    dirty_k, dirty_v = k.clone(), v.clone()  # slots no query sees may hold anything
+    dirty_k[rows[2], :, 7], dirty_v[rows[2], :, 8], dirty_k[rows[5], :, S - 1] = float("nan"), float("nan"), float("inf")
     for softcap in (0.0, 5.0):
-        out = kernels.attend(q, k, v, mask, 0.3, softcap, rows)
+        out = kernels.attend(q, dirty_k, dirty_v, mask, 0.3, softcap, rows)
         scores = q.double().view(B, H, G, T, D) @ k[rows].double().unsqueeze(2).transpose(-1, -2) * 0.3
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
@@ -130,8 +133,8 @@ def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dt
         torch.testing.assert_close(out.double(), want.reshape(B, H, G * T, D), rtol=1e-5, atol=1e-5)
         for b in range(B):
             for h in range(H):
-                alone = kernels.attend(q[b:b + 1, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], mask[b:b + 1], 0.3, softcap,
-                                       rows[b:b + 1])
+                alone = kernels.attend(q[b:b + 1, h:h + 1], dirty_k[:, h:h + 1], dirty_v[:, h:h + 1], mask[b:b + 1], 0.3,
+                                       softcap, rows[b:b + 1])
                 assert torch.equal(alone[0, 0], out[b, h]), (softcap, b, h)
 
 
