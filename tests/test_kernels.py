@@ -123,7 +123,8 @@ def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dt
     mask[1, 0, :, :5] = float("-inf")  # a sliding window's start
     mask[2, 0, :, 7:9] = float("-inf")  # a hole
     dirty_k, dirty_v = k.clone(), v.clone()  # slots no query sees may hold anything
-    dirty_k[rows[2], :, 7], dirty_v[rows[2], :, 8], dirty_k[rows[5], :, S - 1] = float("nan"), float("nan"), float("inf")
+    dirty_k[rows[2], :, 7], dirty_v[rows[2], :, 8] = float("nan"), float("nan")
+    dirty_k[rows[5], :, S - 1] = float("inf")
     for softcap in (0.0, 5.0):
         out = kernels.attend(q, dirty_k, dirty_v, mask, 0.3, softcap, rows)
         scores = q.double().view(B, H, G, T, D) @ k[rows].double().unsqueeze(2).transpose(-1, -2) * 0.3
@@ -133,8 +134,8 @@ def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dt
         torch.testing.assert_close(out.double(), want.reshape(B, H, G * T, D), rtol=1e-5, atol=1e-5)
         for b in range(B):
             for h in range(H):
-                alone = kernels.attend(q[b:b + 1, h:h + 1], dirty_k[:, h:h + 1], dirty_v[:, h:h + 1], mask[b:b + 1], 0.3,
-                                       softcap, rows[b:b + 1])
+                alone = kernels.attend(q[b:b + 1, h:h + 1], dirty_k[:, h:h + 1], dirty_v[:, h:h + 1], mask[b:b + 1],
+                                       0.3, softcap, rows[b:b + 1])
                 assert torch.equal(alone[0, 0], out[b, h]), (softcap, b, h)
 
 
