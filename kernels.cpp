@@ -847,8 +847,13 @@ void attend_row(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs
       for (int i = 0; i < 8; ++i) t[i] = std::tanh(t[i] / softcap) * softcap;
       s = _mm256_load_ps(t);
     }
-    for (int i = 0; i < 8; ++i) t[i] = i < c ? m[j + i] : NEG;
-    __m256 mj = _mm256_load_ps(t);
+    __m256 mj;
+    if (c == 8) {
+      mj = _mm256_loadu_ps(m + j);
+    } else {  // the last block: the lanes past n are masked
+      for (int i = 0; i < 8; ++i) t[i] = i < c ? m[j + i] : NEG;
+      mj = _mm256_load_ps(t);
+    }
     // a masked key scores -inf whatever its cache slot holds (an unwritten slot may hold NaN)
     s = _mm256_blendv_ps(_mm256_add_ps(s, mj), neg, _mm256_cmp_ps(mj, neg, _CMP_EQ_OQ));
     vmax = _mm256_max_ps(vmax, s);
