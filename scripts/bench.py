@@ -205,6 +205,11 @@ def round_order(jobs: list, rnd: int) -> list:
     return [job for group in groups[shift:] + groups[:shift] for job in (group[::-1] if rnd % 2 else group)]
 
 
+def quantized_activations(args) -> str:
+    """The activations' dtype of a quantized row: float32 on CPU (what its kernels take), bfloat16 on a GPU."""
+    return "float32" if args.device == "cpu" else "bfloat16"
+
+
 def quantized_checkpoint(args, label: str) -> Path:
     """checkpoints/NAME-<label>, made by quantize.py if it is not there yet."""
     path = args.checkpoint.parent / f"{args.checkpoint.name}-{label}"
@@ -254,7 +259,8 @@ def run_ours(args, engine, dtype, ids, workdir: Path, tag: str) -> dict:
         tree = args.before if engine == "ours-before" else REPO_ROOT
         cmd = [sys.executable, str(tree / "generate.py"), "--checkpoint", str(checkpoint),
                "--prompt", text, "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0",
-               "--device", "cpu", "--dtype", "float32" if dtype in QUANTIZED else dtype, "--no-compile" if engine == "ours-eager" else "--compile",
+               "--device", args.device, "--dtype", quantized_activations(args) if dtype in QUANTIZED else dtype,
+               "--no-compile" if engine == "ours-eager" else "--compile",
                *(["--compile_mode", "max"] if engine == "ours-max" else []),
                *(["--compile_prefill"] if engine == "ours-prefill" else []),
                "--ignore_eos", "--num_samples", str(args.num_samples), "--metrics_json", str(out)]
@@ -288,7 +294,7 @@ def run_peer(args, engine, dtype, ids, workdir: Path, tag: str) -> dict:
         if engine == "llama":
             cmd = peers_cmd("llama", out, "--gguf", args.llama_files[dtype], *common)
         else:
-            cmd = peers_cmd("hf", out, "--gguf", args.gguf, "--dtype", dtype,
+            cmd = peers_cmd("hf", out, "--gguf", args.gguf, "--dtype", dtype, "--device", args.device,
                             "--compile" if engine == "hf" else "--no-compile", *common)
         result, err, seconds = run_process(cmd, out, workdir / f"{tag}-{name}.log", args.timeout)
         wall += seconds
@@ -305,7 +311,8 @@ def run_peer(args, engine, dtype, ids, workdir: Path, tag: str) -> dict:
 
 def run_membw(args, workdir: Path, tag: str) -> dict:
     out = workdir / f"{tag}.json"
-    result, err, _ = run_process(peers_cmd("membw", out), out, workdir / f"{tag}.log", args.timeout)
+    result, err, _ = run_process(peers_cmd("membw", out, "--device", args.device), out, workdir / f"{tag}.log",
+                                 args.timeout)
     if err:
         log(f"memory bandwidth measurement failed: {err}")
     return result or {}
@@ -445,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{', '.join(QUANTIZED)} (made with quantize.py when missing)")
     parser.add_argument("--llama_quants", default="",
                         help="extra llama.cpp rows, comma-separated from Q8_0, Q4_1, ORIG (the GGUF as shipped)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda: ours and transformers on the GPU (llama.cpp here is a CPU build)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows the median")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per run, EOS ignored")
     parser.add_argument("--num_samples", type=int, default=2,
@@ -470,6 +479,8 @@ def main(argv=None):
         [q for q in args.llama_quants if q not in ("Q8_0", "Q4_1", "ORIG")] + [q for q in args.quantized if q not in QUANTIZED]
     if bad or args.num_samples < 2 or args.rounds < 1:
         sys.exit(f"error: bad arguments {bad or ''} (--num_samples must be >= 2, --rounds >= 1)")
+    if args.device != "cpu" and "llama" in args.engines:
+        sys.exit(f"error: --device {args.device}: the llama engine (llama-cpp-python) runs on the CPU only")
     args.checkpoint, args.gguf = resolve_weights(args)
     if args.before is not None:
         if not (args.before / "generate.py").is_file():

@@ -137,7 +137,8 @@ def worker_hf(args, prompts: dict) -> dict:
 
     dtype = getattr(torch, args.dtype)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(args.gguf.parent), gguf_file=args.gguf.name, dtype=dtype)
+    model = model.to(args.device).eval()
     load_s = time.perf_counter() - start
     model.generation_config.eos_token_id = None  # exactly max_new_tokens, like --ignore_eos
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0)
@@ -147,7 +148,7 @@ def worker_hf(args, prompts: dict) -> dict:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
     def one(ids: list) -> dict:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=args.device)
         clock = Clock()
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -209,6 +210,8 @@ def worker_membw(args) -> dict:
     import torch
 
     import kernels
+    if args.device != "cpu":
+        return gpu_membw(args)
     out = {}
     x = torch.ones(256 * 2**20)  # 1 GiB, far beyond any cache
     for threads in (1, THREADS):
@@ -229,6 +232,22 @@ def worker_membw(args) -> dict:
     return out
 
 
+def gpu_membw(args) -> dict:
+    """A GPU's read bandwidth: torch's sum over 4 GiB of float32 (far beyond its L2), best of a few."""
+    import torch
+    x = torch.ones(2**30, device=args.device)
+    x.sum()
+    times = []
+    for _ in range(args.repeats):
+        torch.cuda.synchronize(x.device)
+        start = time.perf_counter()
+        x.sum()
+        torch.cuda.synchronize(x.device)
+        times.append(time.perf_counter() - start)
+    gb_s = x.numel() * x.element_size() / min(times) / 1e9
+    return {"gb_s": gb_s, "gb_s_torch_sum": gb_s, "device": torch.cuda.get_device_name(x.device)}
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -241,6 +260,7 @@ def main(argv=None):
     parser.add_argument("worker", choices=["hf", "llama", "membw"])
     parser.add_argument("--gguf", type=Path, help="GGUF file (hf: the one to dequantize; llama: the one to run)")
     parser.add_argument("--dtype", default="float32", help="hf: torch dtype to load the weights in")
+    parser.add_argument("--device", default="cpu", help="hf and membw: cpu or cuda")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="hf: static cache + torch.compile (default) or eager dynamic cache")
     parser.add_argument("--prompts", type=Path, help="JSON {name: [token ids]}")

@@ -65,7 +65,9 @@ def start_ours(args, slots: int, ctx: int, logfile, extra=()) -> tuple:
             subprocess.run([sys.executable, "quantize.py", "--checkpoint", str(args.checkpoint), "--mode", "int8",
                             "--out", str(checkpoint)], cwd=ROOT, check=True)
     cmd = [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
-           "--max_batch_size", str(slots), "--max_seq_length", str(ctx), "--dtype", "float32",
+           "--max_batch_size", str(slots), "--max_seq_length", str(ctx), "--device", args.device,
+           "--dtype", "bfloat16" if args.precision == "bfloat16" or args.device != "cpu" and args.precision == "int8"
+           else "float32",
            "--model_name", "bench", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -323,6 +325,13 @@ def workload_shared_prefix(args, starters: dict) -> list:
     return rows
 
 
+def device_name(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    import torch
+    return torch.cuda.get_device_name(torch.device(device))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m scripts.bench_serve")
     p.add_argument("--model", default="smollm2-135m", help="a model name known to download.py")
@@ -331,8 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: ours, ours-no-prepack (serve.py --no-prepack), ours-regional "
                         "(--compile_mode regional), llama-server, "
                         "transformers (generate_batch, throughput workload only)")
-    p.add_argument("--precision", choices=["float32", "int8"], default="float32",
-                   help="float32: ours float32 against llama.cpp F32; int8: ours int8 against Q8_0")
+    p.add_argument("--precision", choices=["float32", "bfloat16", "int8"], default="float32",
+                   help="float32: ours float32 against llama.cpp F32; int8: ours int8 against Q8_0 "
+                        "(bfloat16 activations on a GPU); bfloat16: ours only")
+    p.add_argument("--device", default="cpu", help="serve.py's device (cpu, or cuda: ours only)")
     p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix"], default="throughput")
     p.add_argument("--concurrency", default="1,4,8,16")
     p.add_argument("--input_len", type=int, default=256)
@@ -380,12 +391,15 @@ def main(argv=None):
         sys.exit(f"error: unknown engine(s) {', '.join(unknown)} (choose from {', '.join(known)})")
     if "transformers" in names and args.workload != "throughput":
         sys.exit("error: the transformers engine (generate_batch, not a server) runs the throughput workload only")
+    if (args.device != "cpu" or args.precision == "bfloat16") and names != ["ours"]:
+        sys.exit(f"error: --device {args.device} --precision {args.precision} runs --engines ours only")
     starters = {n: known[n] for n in names}
     run = {"throughput": workload_throughput, "long-prompt": workload_long_prompt,
            "shared-prefix": workload_shared_prefix}[args.workload]
     rows = run(args, starters)
     if args.json:
-        meta = {"machine_threads": THREADS, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:],
+        meta = {"machine_threads": THREADS, "device": device_name(args.device), "date": time.strftime("%Y-%m-%d"),
+                "argv": sys.argv[1:],
                 "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                          text=True).stdout.strip()}
         tmp = args.json.with_suffix(".tmp")
