@@ -441,7 +441,7 @@ class Attention(nn.Module):
             y = torch.softmax(scores.float(), dim=-1).type_as(q) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return y.view(B, nh, T, hd)  # (B, n_heads, T, head_dim)
+        return y.reshape(B, nh, T, hd)  # (B, n_heads, T, head_dim); CUDA's SDPA may return (B, T, H, D) memory order
 
 
 class FeedForward(nn.Module):

@@ -46,10 +46,16 @@ from errors import TPError, UserError
 
 
 def all_gather_single(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """funcol.all_gather_single is torch 2.13's name for all_gather_tensor, which older releases
-    (requirements.txt's floor) have under the old name only."""
+    """Every rank's x concatenated along dim, in rank order. The collective gathers along dim 0 and
+    the parts are laid side by side here: torch 2.11's all_gather_tensor fails under torch.compile
+    when it does that itself. funcol.all_gather_single is torch 2.13's name for all_gather_tensor,
+    which older releases (requirements.txt's floor) have under the old name only."""
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    return gather(x, dim, group_name)
+    y = gather(x.contiguous(), 0, group_name)  # (ranks * x.shape[0], *x.shape[1:])
+    if dim == 0:
+        return y
+    parts = y.view(-1, *x.shape).movedim(0, dim)  # (..., ranks, x.shape[dim], ...)
+    return parts.reshape(*x.shape[:dim], -1, *x.shape[dim + 1:])
 
 # module name (or its last dotted parts) -> how its weight is split; every other tensor is replicated.
 # Every linear layer of a Transformer is here: quantize.py quantizes these (all but the embedding).

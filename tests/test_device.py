@@ -48,8 +48,9 @@ def test_requirements_floor_covers_every_api_used_without_a_fallback():
 def test_all_gather_falls_back_to_the_name_older_torch_has(monkeypatch, tmp_path):
     """Before torch 2.13, all_gather_single is called all_gather_tensor."""
     calls = []
-    gather = funcol.all_gather_single  # stands in for the old function (here a wrapper of the new one)
-    monkeypatch.delattr(funcol, "all_gather_single")
+    # stands in for the old function: the new one wrapped, or on a torch before 2.13 the old one itself
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    monkeypatch.delattr(funcol, "all_gather_single", raising=False)
     monkeypatch.setattr(funcol, "all_gather_tensor", lambda *a: calls.append(a) or gather(*a))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -18,11 +18,12 @@ import transformers  # the oracle: a test environment without it fails here, it 
 from safetensors.torch import load_file
 
 import kernels
-from conftest import on_test_device
+from conftest import TEST_DEVICE, on_test_device
 from convert_hf_checkpoint import convert_hf_checkpoint
 from model import CAUSAL_SDPA_MIN_TOKENS, ModelArgs, Transformer
 
-TOL = 1e-4
+# against transformers on the CPU; a GPU sums in another order (a 600-token prefill came to 1.02e-4 on an H200)
+TOL = 1e-4 if TEST_DEVICE == "cpu" else 2e-4
 PROMPT_LEN = 40  # longer than max_position_embeddings=32 below, so dynamic NTK actually rescales
 DECODE_STEPS = 32
 MAX_SEQ_LENGTH = PROMPT_LEN + DECODE_STEPS + 8
