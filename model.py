@@ -435,6 +435,8 @@ class Attention(nn.Module):
         group = nh // nkv
         q = q.reshape(B, nkv, group * T, hd)  # (B, n_kv_heads, group*T, head_dim)
         mask = mask.unsqueeze(2).expand(B, 1, group, T, S).reshape(B, 1, group * T, S)
+        if mask.device.type != "cpu":  # one query (T = 1) leaves a view whose rows have stride 0, and a
+            mask = mask.contiguous()  # prefill's last row starts mid-tensor: CUDA's SDPA read it misaligned
         if self.softcap:  # SDPA cannot soft-cap the scores: spell attention out
             scores = q @ k.transpose(-2, -1) * (self.scale or hd ** -0.5)  # (B, n_kv_heads, group*T, S)
             scores = torch.tanh(scores / self.softcap) * self.softcap + mask

@@ -23,8 +23,8 @@ from conftest import random_model
 from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
 from engine import BatchEngine, Chat, Engine, Request, Sampling, load_model
 from model import CAUSAL_SDPA_MIN_TOKENS, MoEFeedForward, Transformer, param_bytes
-from test_hf_parity import (DECODE_STEPS, PROMPT_LEN, TOL, build_hf_model, greedy, hf_greedy, load_hf, load_ours,
-                            max_diff, tokens)
+from test_hf_parity import (DECODE_STEPS, MISTAKE_MIN, PROMPT_LEN, TOL, build_hf_model, greedy, hf_greedy, load_hf,
+                            load_ours, max_diff, tokens)
 
 HEAD_DIM = 16  # BASE: hidden 64 over 4 heads
 
@@ -196,7 +196,7 @@ def test_comparison_detects_mistakes(mistake, tmp_path):
         out = hf(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
         diffs.append(max_diff(ours(ids[:, t:t + 1], torch.tensor([t])), out.logits))
     print(f"{mistake}: max abs diff {max(diffs):.2e}")
-    assert max(diffs) > 10 * TOL, f"{mistake}: diff {max(diffs):.2e} would pass the parity tests"
+    assert max(diffs) > MISTAKE_MIN, f"{mistake}: diff {max(diffs):.2e} would pass the parity tests"
 
 
 @pytest.mark.parametrize("model_type, field, value", [
@@ -497,7 +497,7 @@ def test_longrope_generation_recomputes_the_cache_at_the_switch_as_hf(phi3_switc
     got = generate(engine, PHI3_PROMPTS[:1], DECODE_STEPS, 64)
     diff = max_diff(torch.stack(logits), hf_logits)  # the prefill's, then each step's
     if not rerun:
-        assert diff > 10 * TOL, f"diff {diff:.2e} without the re-run would pass"
+        assert diff > MISTAKE_MIN, f"diff {diff:.2e} without the re-run would pass"
         return
     assert len(set(got[0])) > 3, "degenerate greedy output would make the comparison weak"
     assert got == expected and diff <= TOL, (diff, got, expected)

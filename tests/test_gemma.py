@@ -53,7 +53,8 @@ def use_full_caches(model, max_seq_length):
     model.ring_window = None
     for layer in model.layers:
         a = layer.attention
-        a.kv_cache = KVCache(model.max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim, torch.float32)
+        a.kv_cache = KVCache(model.max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim,
+                             torch.float32).to(model.norm.weight.device)
 
 
 @pytest.mark.parametrize("chunks", [[40], [3, 9, 1, 1, 20, 1, 1, 1], [8, 8, 1, 16, 1], [1] * 24])

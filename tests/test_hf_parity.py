@@ -5,7 +5,7 @@ with save_pretrained, converts it with convert_hf_checkpoint.py, and checks in f
 the prefill logits match, every step of an incremental decode through the KV cache matches
 HF's own cached decode, and 32 greedy tokens are identical. The weights are re-drawn with a
 large std (and random norms/biases), so a wrong RoPE, mask or head layout moves the logits by
-far more than the 1e-4 tolerance; test_comparison_detects_* pins that it does.
+far more than the 1e-4 tolerance (5e-4 on a GPU); test_comparison_detects_* pins that it does.
 
 Run: PYTHONPATH=. python -m pytest -q tests/test_hf_parity.py
 """
@@ -22,8 +22,10 @@ from conftest import TEST_DEVICE, on_test_device
 from convert_hf_checkpoint import convert_hf_checkpoint
 from model import CAUSAL_SDPA_MIN_TOKENS, ModelArgs, Transformer
 
-# against transformers on the CPU; a GPU sums in another order (a 600-token prefill came to 1.02e-4 on an H200)
-TOL = 1e-4 if TEST_DEVICE == "cpu" else 2e-4
+# against transformers on the CPU; a GPU sums in another order (600-token prefills came to 1.0e-4 and, Gemma 3
+# with qk-norm, 2.3e-4 on an H200). A deliberate mistake must exceed 10x the CPU's tolerance, 2x the GPU's.
+TOL = 1e-4 if TEST_DEVICE == "cpu" else 5e-4
+MISTAKE_MIN = 1e-3
 PROMPT_LEN = 40  # longer than max_position_embeddings=32 below, so dynamic NTK actually rescales
 DECODE_STEPS = 32
 MAX_SEQ_LENGTH = PROMPT_LEN + DECODE_STEPS + 8
@@ -272,4 +274,4 @@ def test_comparison_detects_small_mistakes(mistake, tmp_path):
     diff = max_diff(ours(ids, torch.arange(PROMPT_LEN)), hf(ids).logits)
     print(f"{mistake}: max abs diff {diff:.2e}")
     assert math.isfinite(diff)
-    assert diff > 10 * TOL, f"{mistake}: diff {diff:.2e} would pass the parity tests"
+    assert diff > MISTAKE_MIN, f"{mistake}: diff {diff:.2e} would pass the parity tests"
