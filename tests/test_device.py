@@ -133,3 +133,32 @@ def test_decode_positions_stay_on_the_device(monkeypatch):
     assert len(out[0]) == 20
     assert len(made) <= 3, made  # the prompt, its padding, the first position: not one per step
 
+
+
+@torch.inference_mode()
+def test_attention_takes_sdpa_output_in_any_memory_order(monkeypatch):
+    """CUDA's SDPA kernels return their output laid out (B, T, H, D) under a (B, H, T, D) shape:
+    a prefill and decode steps through an SDPA that does the same give the same logits."""
+    torch.manual_seed(0)
+    model = random_model(n_heads=4, n_kv_heads=2)  # grouped queries: attend folds each group into T
+    prompt, steps = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 3))
+
+    def run():
+        model.setup_caches(2, 32)
+        out = [model(prompt, torch.arange(9))]
+        out += [model(steps[:, i:i + 1], torch.tensor([9 + i])) for i in range(3)]
+        return out
+
+    expected = run()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def cuda_like(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)  # same values, (B, T, H, D) in memory
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cuda_like)
+    got = run()
+    assert calls, "the model did not call SDPA"
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
