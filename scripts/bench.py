@@ -19,8 +19,9 @@ Engines (--engines), each started in its own subprocess, all fed the same prompt
   ours-eager  generate.py --no-compile
   ours-before generate.py --compile of another checkout (--before DIR, e.g. a git worktree of an
               earlier commit): a change's before and after in the same interleaved rounds
-  hf          Hugging Face transformers' best CPU configuration: static cache +
-              torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+  hf          Hugging Face transformers' best configuration: static cache +
+              torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) on CPU;
+              on a GPU generate() compiles the forward itself (CUDA graphs)
   hf-eager    transformers with its default dynamic cache, no compile
   llama       llama.cpp through llama-cpp-python, on F32/BF16 GGUFs of the same weights
 

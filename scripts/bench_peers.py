@@ -13,8 +13,8 @@ from a JSON file (the same ids for every engine), warms up, times, and writes a 
 
 Workers:
   hf      Hugging Face transformers on the GGUF (dequantized on load), static cache +
-          torch.compile(model.forward, mode="reduce-overhead", fullgraph=True), or eager
-          with the default dynamic cache (--no-compile).
+          torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) (on a GPU,
+          generate() compiles it itself), or eager with the default dynamic cache (--no-compile).
   llama   llama-cpp-python on a GGUF file (greedy argmax over the logits, EOS ignored).
   membw   memory bandwidth over a 1 GiB float32 tensor: torch sum and kernels.stream_sum, best of a few.
 
@@ -143,9 +143,12 @@ def worker_hf(args, prompts: dict) -> dict:
     model.generation_config.eos_token_id = None  # exactly max_new_tokens, like --ignore_eos
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0)
     if args.compile:
-        # transformers' documented recipe; on CPU there are no CUDA graphs, inductor emits C++
+        # transformers' documented recipe; on CPU there are no CUDA graphs, inductor emits C++. On a GPU
+        # generate() compiles the forward itself when the cache is static: wrapping it too made CUDA
+        # graphs overwrite the cache's outputs (transformers 5.17 on an H200)
         kwargs["cache_implementation"] = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        if args.device == "cpu":
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
     def one(ids: list) -> dict:
         x = torch.tensor([ids], device=args.device)
