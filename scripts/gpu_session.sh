@@ -1,0 +1,88 @@
+#!/bin/bash
+# A GPU machine without network access, reached through a tool that copies this working tree plus a
+# few ignored folders (at most ~64 MiB a call): the CUDA tests and figures in a few calls.
+#
+# Here, on the CPU machine (needs network for PyPI and the SmolLM2 GGUF in the download cache):
+#   scripts/gpu_session.sh prepare      # .gpu/whl (wheels for Python 3.12), .gpu/a and .gpu/b (GGUF halves)
+# There, from the repository root, stages in order (a stage:SECONDS caps its time):
+#   call 1, carrying .gpu/whl .gpu/a:  bash scripts/gpu_session.sh info parta kernels tests1:400
+#   call 2, carrying .gpu/b, while the machine is still warm (files under /tmp persist until it goes back):
+#                                      bash scripts/gpu_session.sh model tests2:420
+#   then:                              bash scripts/gpu_session.sh serve:400 decode:500
+# Results (logs, JSON) go to $OUT (default /tmp/out).
+set -u
+cd "$(dirname "$0")/.."
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+HALF=48000000  # bytes in .gpu/a: the wheels and half the model fit under one call's limit
+
+if [ "${1:-}" = prepare ]; then
+  py=${PYTHON:-.venv/bin/python}
+  mkdir -p .gpu/whl .gpu/a .gpu/b
+  # what the GPU image lacks (its torch, transformers, numpy, tokenizers, safetensors, pytest... are there),
+  # at the versions this virtualenv has (pydantic and pydantic-core, openai and httpx2 must agree)
+  want="gguf starlette uvicorn openai httpx2 httpcore2 truststore idna anyio h11 distro jiter pydantic pydantic-core
+    annotated-types typing-inspection sniffio llguidance jsonschema jsonschema-specifications referencing rpds-py"
+  pins=$($py -m pip freeze 2>/dev/null | tr A-Z_ a-z- | grep -E "^($(echo $want | tr ' ' '|'))==")
+  $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_31_x86_64 -d .gpu/whl $pins || exit 1
+  src=${MINILLM_CACHE:-$HOME/.cache/minillm}/gguf/$GGUF_NAME
+  [ -f "$src" ] || $py download.py smollm2-135m || exit 1
+  head -c $HALF "$src" > .gpu/a/part && tail -c +$((HALF + 1)) "$src" > .gpu/b/part
+  du -sh .gpu/*
+  exit 0
+fi
+
+export PYTHONUNBUFFERED=1 MINILLM_CACHE=/tmp/mc TORCH_EXTENSIONS_DIR=/tmp/ext TORCHINDUCTOR_CACHE_DIR=/tmp/ind \
+  TRITON_CACHE_DIR=/tmp/triton HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ ! -f /tmp/site/.ok ] && [ -d .gpu/whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
+    && touch /tmp/site/.ok || echo "installing the wheels failed"
+fi
+export PYTHONPATH=/tmp/site
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+# the tests that need no real model, and those that need SmolLM2 (the Gemma 3 270M ones are left out)
+T1="tests/test_architectures.py tests/test_batching.py tests/test_device.py tests/test_hf_parity.py
+ tests/test_kernels.py tests/test_gguf_families.py tests/test_structure.py tests/test_fuzz.py tests/test_bench.py
+ tests/test_gemma.py"
+T2="tests/test_convert.py tests/test_generate.py tests/test_memory.py tests/test_quantize.py tests/test_serve.py
+ tests/test_serve_structured.py tests/test_speculative.py tests/test_speculative_grammar.py tests/test_structured.py
+ tests/test_tokenizer.py tests/test_tp.py tests/test_validation.py"
+NOGEMMA="not (gemma3_sentencepiece or gemma3_tokenizer_matches or gemma3_270m_logits or golden_greedy_output_gemma3)"
+
+pytest_run() {  # name seconds pytest-args...
+  local name=$1 secs=$2 t0=$SECONDS
+  shift 2
+  MINILLM_TEST_DEVICE=cuda timeout -k 15 "$secs" python3 -m pytest -v -n "${WORKERS:-8}" --dist loadfile \
+    -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? in $((SECONDS - t0)) s"
+  grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/$name.log" | cut -c1-300 | tail -40
+}
+
+for arg in "$@"; do
+  stage=${arg%%:*}; secs=${arg#*:}; [ "$secs" = "$arg" ] && secs=300
+  t0=$SECONDS
+  echo "=== $stage"
+  case $stage in
+    info)
+      nvidia-smi -L; nproc; grep -m1 "model name" /proc/cpuinfo
+      python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())" ;;
+    parta) mkdir -p /tmp/parts && cp .gpu/a/part /tmp/parts/a ;;
+    kernels) timeout "$secs" python3 -c "import kernels; print('CPU kernels built:', kernels.available())" ;;
+    model)
+      mkdir -p /tmp/mc/gguf
+      if [ ! -f /tmp/parts/a ]; then echo "no first half: the machine went back between the calls"; else
+        cat /tmp/parts/a .gpu/b/part > /tmp/mc/gguf/$GGUF_NAME && timeout "$secs" python3 download.py smollm2-135m; fi ;;
+    tests1) pytest_run tests1 "$secs" -k "$NOGEMMA" $T1 ;;
+    tests2) pytest_run tests2 "$secs" $T2 ;;
+    serve)
+      timeout -k 10 "$secs" python3 -m scripts.bench_serve --device cuda --precision "${PREC:-bfloat16}" \
+        --engines ours --concurrency 1,4,8,16 --json "$OUT/serve-cuda.json" ;;
+    decode)
+      timeout -k 10 "$secs" python3 -m scripts.bench --device cuda --engines ours,hf --dtypes bfloat16,float32 \
+        --quantized int8,int4-g32 --rounds 1 --json "$OUT/decode-cuda.json" 2>&1 | tail -30 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "=== $stage done in $((SECONDS - t0)) s"
+done
