@@ -56,6 +56,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900):
     raise RuntimeError("the server did not start")
 
 
+def activations_dtype(args) -> str:
+    """serve.py's --dtype: the precision's own; for int8, float32 on CPU (what its kernels take), bfloat16 on a GPU."""
+    if args.precision == "int8":
+        return "float32" if args.device == "cpu" else "bfloat16"
+    return args.precision
+
+
 def start_ours(args, slots: int, ctx: int, logfile, extra=()) -> tuple:
     port = free_port()
     checkpoint = args.checkpoint
@@ -66,9 +73,7 @@ def start_ours(args, slots: int, ctx: int, logfile, extra=()) -> tuple:
                             "--out", str(checkpoint)], cwd=ROOT, check=True)
     cmd = [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
            "--max_batch_size", str(slots), "--max_seq_length", str(ctx), "--device", args.device,
-           "--dtype", "bfloat16" if args.precision == "bfloat16" or args.device != "cpu" and args.precision == "int8"
-           else "float32",
-           "--model_name", "bench", *extra]
+           "--dtype", activations_dtype(args), "--model_name", "bench", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
