@@ -8,7 +8,9 @@
 #   call 1, carrying .gpu/whl .gpu/a:  bash scripts/gpu_session.sh info parta kernels tests1:400
 #   call 2, carrying .gpu/b, while the machine is still warm (files under /tmp persist until it goes back):
 #                                      bash scripts/gpu_session.sh model tests2:420
-#   then:                              bash scripts/gpu_session.sh serve:400 decode:500
+#   then (serve.py's warm-up compile took over 130 s there; each decode row is a compiling process):
+#                                      bash scripts/gpu_session.sh serve:400
+#                                      DTYPES=bfloat16 QUANT= bash scripts/gpu_session.sh decode:500
 # Results (logs, JSON) go to $OUT (default /tmp/out).
 set -u
 cd "$(dirname "$0")/.."
@@ -80,8 +82,11 @@ for arg in "$@"; do
       timeout -k 10 "$secs" python3 -m scripts.bench_serve --device cuda --precision "${PREC:-bfloat16}" \
         --engines ours --concurrency 1,4,8,16 --json "$OUT/serve-cuda.json" ;;
     decode)
-      timeout -k 10 "$secs" python3 -m scripts.bench --device cuda --engines ours,hf --dtypes bfloat16,float32 \
-        --quantized int8,int4-g32 --rounds 1 --json "$OUT/decode-cuda.json" 2>&1 | tail -30 ;;
+      # each engine and precision is a process that compiles (40-70 s on an H200 with empty caches), twice
+      # (both prompts): name fewer with ENGINES, DTYPES and QUANT (empty for none) to fit a call
+      timeout -k 10 "$secs" python3 -m scripts.bench --device cuda --engines "${ENGINES:-ours,hf}" \
+        --dtypes "${DTYPES:-bfloat16,float32}" --quantized "${QUANT-int8,int4-g32}" --rounds 1 \
+        --json "$OUT/decode-cuda.json" 2>&1 | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "=== $stage done in $((SECONDS - t0)) s"
