@@ -78,7 +78,7 @@ import time
 from pathlib import Path
 
 import download
-from scripts.bench_peers import THREADS, gguf_variant
+from scripts.bench_peers import THREADS, gguf_variant, quantized_activations
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -206,11 +206,6 @@ def round_order(jobs: list, rnd: int) -> list:
     return [job for group in groups[shift:] + groups[:shift] for job in (group[::-1] if rnd % 2 else group)]
 
 
-def quantized_activations(args) -> str:
-    """The activations' dtype of a quantized row: float32 on CPU (what its kernels take), bfloat16 on a GPU."""
-    return "float32" if args.device == "cpu" else "bfloat16"
-
-
 def quantized_checkpoint(args, label: str) -> Path:
     """checkpoints/NAME-<label>, made by quantize.py if it is not there yet."""
     path = args.checkpoint.parent / f"{args.checkpoint.name}-{label}"
@@ -260,7 +255,7 @@ def run_ours(args, engine, dtype, ids, workdir: Path, tag: str) -> dict:
         tree = args.before if engine == "ours-before" else REPO_ROOT
         cmd = [sys.executable, str(tree / "generate.py"), "--checkpoint", str(checkpoint),
                "--prompt", text, "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0",
-               "--device", args.device, "--dtype", quantized_activations(args) if dtype in QUANTIZED else dtype,
+               "--device", args.device, "--dtype", quantized_activations(args.device) if dtype in QUANTIZED else dtype,
                "--no-compile" if engine == "ours-eager" else "--compile",
                *(["--compile_mode", "max"] if engine == "ours-max" else []),
                *(["--compile_prefill"] if engine == "ours-prefill" else []),

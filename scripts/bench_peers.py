@@ -235,6 +235,11 @@ def worker_membw(args) -> dict:
     return out
 
 
+def quantized_activations(device: str) -> str:
+    """The activations' dtype of our int8/int4 runs: float32 on CPU (kernels.py's loops), bfloat16 on a GPU."""
+    return "float32" if device == "cpu" else "bfloat16"
+
+
 def gpu_membw(args) -> dict:
     """A GPU's read bandwidth: torch's sum over 4 GiB of float32 (far beyond its L2), best of a few."""
     import torch

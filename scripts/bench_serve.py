@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import download
-from scripts.bench_peers import THREADS, gguf_variant
+from scripts.bench_peers import THREADS, gguf_variant, quantized_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
@@ -56,13 +56,6 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900):
     raise RuntimeError("the server did not start")
 
 
-def activations_dtype(args) -> str:
-    """serve.py's --dtype: the precision's own; for int8, float32 on CPU (what its kernels take), bfloat16 on a GPU."""
-    if args.precision == "int8":
-        return "float32" if args.device == "cpu" else "bfloat16"
-    return args.precision
-
-
 def start_ours(args, slots: int, ctx: int, logfile, extra=()) -> tuple:
     port = free_port()
     checkpoint = args.checkpoint
@@ -73,7 +66,8 @@ def start_ours(args, slots: int, ctx: int, logfile, extra=()) -> tuple:
                             "--out", str(checkpoint)], cwd=ROOT, check=True)
     cmd = [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port),
            "--max_batch_size", str(slots), "--max_seq_length", str(ctx), "--device", args.device,
-           "--dtype", activations_dtype(args), "--model_name", "bench", *extra]
+           "--dtype", quantized_activations(args.device) if args.precision == "int8" else args.precision,
+           "--model_name", "bench", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
