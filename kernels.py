@@ -26,7 +26,7 @@ The hand-written kernels, in kernels.cpp:
 - `stream_sum`: a tensor's sum as plain sequential reads, the bandwidth reference of
   scripts/bench.py.
 
-kernels.cpp is compiled once per machine with torch.utils.cpp_extension (g++ is needed anyway:
+kernels.cpp is compiled once per machine and source with torch.utils.cpp_extension (g++ is needed anyway:
 it is what inductor compiles to on CPU) and registers the operators `minillm::...`, which
 compiled graphs call like aten ops. On a CPU with AVX-512 VNNI the integer dot products use its
 vpdpbusd (one instruction for AVX2's two); MINILLM_KERNELS_VNNI=0 builds the AVX2 loops there
@@ -34,6 +34,7 @@ too. Where it cannot be built (no AVX2, no compiler) or when MINILLM_KERNELS=0, 
 is False and the layers use F.linear, SDPA and inductor.
 """
 import functools
+import hashlib
 import os
 import sys
 import weakref
@@ -99,6 +100,20 @@ ONEDNN = torch.backends.mkldnn.is_available() and "avx2" in (cpu_flags() or set(
 AVX512 = has_vnni()  # the build with AVX-512, whose one-token float product beats inductor's
 
 
+def build_flags(vnni: bool) -> list:
+    isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if vnni else []
+    return ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", *isa]
+
+
+def build_name(source: bytes, cflags: list) -> str:
+    """The extension's name, and so its build directory under ~/.cache/torch_extensions: one per
+    kernels.cpp text, compiler flags and torch version. torch rebuilds a name's library whenever
+    the source path or flags differ, so two checkouts sharing one name rebuilt it at every switch,
+    and a process that waited on the other checkout's build loaded that checkout's kernels."""
+    key = hashlib.sha256(source + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    return f"minillm_kernels_{key}"
+
+
 def _build() -> bool:
     if os.environ.get("MINILLM_KERNELS", "1") == "0":
         return False
@@ -111,12 +126,10 @@ def _build() -> bool:
         from torch.utils.cpp_extension import load
         print(f"kernels.py: loading the CPU kernels ({'AVX-512 VNNI' if vnni else 'AVX2'}; built once per "
               "machine, ~1 min)", file=sys.stderr)
-        isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if vnni else []
         # is_python_module=False: kernels.cpp registers its operators itself (TORCH_LIBRARY), and
         # the library is loaded into torch.ops.minillm
-        load(name="minillm_kernels_vnni" if vnni else "minillm_kernels", sources=[str(SOURCE)],
-             is_python_module=False, extra_ldflags=["-fopenmp"],
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", *isa])
+        load(name=build_name(SOURCE.read_bytes(), build_flags(vnni)), sources=[str(SOURCE)],
+             is_python_module=False, extra_ldflags=["-fopenmp"], extra_cflags=build_flags(vnni))
     except Exception as e:  # no compiler, no headers: fall back to BLAS, say why once
         print(f"kernels.py: CPU kernels not built ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
               "falling back to F.linear and inductor", file=sys.stderr)

@@ -33,6 +33,23 @@ def test_small_linear_is_built_on_avx2_machines():
     assert kernels.available()
 
 
+def test_kernels_are_loaded_from_this_source_s_own_build():
+    """Each kernels.cpp text (and flags, and torch) builds under its own name: under one name, two
+    checkouts on a machine rebuilt it at every switch, and a process could load the other's."""
+    if not kernels.available():
+        pytest.skip("the kernels are not built on this CPU")
+    source, flags = kernels.SOURCE.read_bytes(), kernels.build_flags(kernels.has_vnni())
+    name = kernels.build_name(source, flags)
+    assert name == kernels.build_name(bytes(source), list(flags))
+    assert name != kernels.build_name(source + b"// another version\n", flags)
+    assert name != kernels.build_name(source, kernels.build_flags(not kernels.has_vnni()))
+    with open("/proc/self/maps") as f:
+        loaded = {Path(line.split()[-1]) for line in f if "minillm_kernels" in line}
+    assert len(loaded) == 1, loaded
+    path, = loaded
+    assert (path.parent.name, path.name) == (name, f"{name}.so")
+
+
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_small_linear_matches_float64_reference(wdtype):
     if not kernels.available():
