@@ -30,6 +30,7 @@ import atexit
 import faulthandler
 import math
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -437,6 +438,8 @@ def init_from_env(device: str = "cpu", mode: str = "auto") -> tuple[Optional[Ten
         return None, device
     # a rank that crashes below Python (SIGABRT, SIGSEGV), joining the group included, names its Python line
     faulthandler.enable(sys.__stderr__)
+    if os.environ.get("MINILLM_TP_STACKS") == "1":  # where a rank was when torchrun ended the job (tests)
+        faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)
     world = int(os.environ["WORLD_SIZE"])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     cuda = device.startswith("cuda")

@@ -25,7 +25,7 @@ def run_job(ranks: int, args) -> tuple[subprocess.CompletedProcess, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            "generate.py", "--checkpoint", str(args.checkpoint), "--prompt", args.prompt, "--no-compile",
            "--max_new_tokens", str(args.max_new_tokens), "--tp_mode", args.tp_mode]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="120")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="120", MINILLM_TP_STACKS="1")
     t0 = time.monotonic()
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, env=env)
