@@ -39,7 +39,9 @@ def _one_thread(one_thread):
 
 
 def torchrun(n: int, *args, timeout=600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="60", MINILLM_TP_STACKS="1")
+    # a collective waits 300 s for a rank that the loaded cores hold back; a hang still fails the
+    # test, and torchrun's SIGTERM makes every rank print where it was
+    env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="300", MINILLM_TP_STACKS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *map(str, args)]
     if device_flags(cmd):  # a command line: on the test device, one per rank
         needs_devices(n)
