@@ -105,12 +105,14 @@ def build_flags(vnni: bool) -> list:
     return ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", *isa]
 
 
-def build_name(source: bytes, cflags: list) -> str:
+def build_name(source: Path, cflags: list) -> str:
     """The extension's name, and so its build directory under ~/.cache/torch_extensions: one per
-    kernels.cpp text, compiler flags and torch version. torch rebuilds a name's library whenever
-    the source path or flags differ, so two checkouts sharing one name rebuilt it at every switch,
-    and a process that waited on the other checkout's build loaded that checkout's kernels."""
-    key = hashlib.sha256(source + " ".join(cflags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    checkout (the source's path), kernels.cpp text, compiler flags and torch version. torch rebuilds
+    a name's library whenever the source path or flags change: under one name, two checkouts on a
+    machine rebuilt it at every switch, and a process that waited on the other's build loaded the
+    other's kernels."""
+    key = hashlib.sha256(b"\0".join([str(source.resolve()).encode(), source.read_bytes(), " ".join(cflags).encode(),
+                                      torch.__version__.encode()])).hexdigest()[:12]
     return f"minillm_kernels_{key}"
 
 
@@ -128,7 +130,7 @@ def _build() -> bool:
               "machine, ~1 min)", file=sys.stderr)
         # is_python_module=False: kernels.cpp registers its operators itself (TORCH_LIBRARY), and
         # the library is loaded into torch.ops.minillm
-        load(name=build_name(SOURCE.read_bytes(), build_flags(vnni)), sources=[str(SOURCE)],
+        load(name=build_name(SOURCE, build_flags(vnni)), sources=[str(SOURCE)],
              is_python_module=False, extra_ldflags=["-fopenmp"], extra_cflags=build_flags(vnni))
     except Exception as e:  # no compiler, no headers: fall back to BLAS, say why once
         print(f"kernels.py: CPU kernels not built ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "

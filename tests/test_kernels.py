@@ -33,21 +33,26 @@ def test_small_linear_is_built_on_avx2_machines():
     assert kernels.available()
 
 
-def test_kernels_are_loaded_from_this_source_s_own_build():
-    """Each kernels.cpp text (and flags, and torch) builds under its own name: under one name, two
-    checkouts on a machine rebuilt it at every switch, and a process could load the other's."""
+def test_kernels_are_loaded_from_this_checkout_s_own_build(tmp_path):
+    """Each checkout and kernels.cpp text (and flags, and torch) builds under its own name: under
+    one name, two checkouts on a machine rebuilt it at every switch, and a process could load the
+    other's kernels, or find the library it runs replaced on disk."""
     if not kernels.available():
         pytest.skip("the kernels are not built on this CPU")
-    source, flags = kernels.SOURCE.read_bytes(), kernels.build_flags(kernels.has_vnni())
-    name = kernels.build_name(source, flags)
-    assert name == kernels.build_name(bytes(source), list(flags))
-    assert name != kernels.build_name(source + b"// another version\n", flags)
-    assert name != kernels.build_name(source, kernels.build_flags(not kernels.has_vnni()))
+    flags = kernels.build_flags(kernels.has_vnni())
+    name = kernels.build_name(kernels.SOURCE, flags)
+    same, edited = tmp_path / "same" / "kernels.cpp", tmp_path / "edited" / "kernels.cpp"
+    for copy, text in [(same, kernels.SOURCE.read_bytes()), (edited, kernels.SOURCE.read_bytes() + b"// edited\n")]:
+        copy.parent.mkdir()
+        copy.write_bytes(text)
+    assert name == kernels.build_name(kernels.SOURCE, list(flags))
+    assert len({name, kernels.build_name(same, flags), kernels.build_name(edited, flags),
+                kernels.build_name(kernels.SOURCE, kernels.build_flags(not kernels.has_vnni()))}) == 4
     with open("/proc/self/maps") as f:
-        loaded = {Path(line.split()[-1]) for line in f if "minillm_kernels" in line}
+        loaded = {line.split(maxsplit=5)[-1].strip() for line in f if "minillm_kernels" in line}
     assert len(loaded) == 1, loaded
-    path, = loaded
-    assert (path.parent.name, path.name) == (name, f"{name}.so")
+    path = Path(loaded.pop())
+    assert (path.parent.name, path.name) == (name, f"{name}.so")  # not "(deleted)": nothing rebuilt it since
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
