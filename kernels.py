@@ -26,7 +26,7 @@ The hand-written kernels, in kernels.cpp:
 - `stream_sum`: a tensor's sum as plain sequential reads, the bandwidth reference of
   scripts/bench.py.
 
-kernels.cpp is compiled once per machine and source with torch.utils.cpp_extension (g++ is needed anyway:
+kernels.cpp is compiled once per checkout with torch.utils.cpp_extension (g++ is needed anyway:
 it is what inductor compiles to on CPU) and registers the operators `minillm::...`, which
 compiled graphs call like aten ops. On a CPU with AVX-512 VNNI the integer dot products use its
 vpdpbusd (one instruction for AVX2's two); MINILLM_KERNELS_VNNI=0 builds the AVX2 loops there
@@ -127,11 +127,12 @@ def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
         print(f"kernels.py: loading the CPU kernels ({'AVX-512 VNNI' if vnni else 'AVX2'}; built once per "
-              "machine, ~1 min)", file=sys.stderr)
+              "checkout, ~1 min)", file=sys.stderr)
+        cflags = build_flags(vnni)
         # is_python_module=False: kernels.cpp registers its operators itself (TORCH_LIBRARY), and
         # the library is loaded into torch.ops.minillm
-        load(name=build_name(SOURCE, build_flags(vnni)), sources=[str(SOURCE)],
-             is_python_module=False, extra_ldflags=["-fopenmp"], extra_cflags=build_flags(vnni))
+        load(name=build_name(SOURCE, cflags), sources=[str(SOURCE)], is_python_module=False,
+             extra_ldflags=["-fopenmp"], extra_cflags=cflags)
     except Exception as e:  # no compiler, no headers: fall back to BLAS, say why once
         print(f"kernels.py: CPU kernels not built ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
               "falling back to F.linear and inductor", file=sys.stderr)

@@ -225,12 +225,12 @@ def subprocess_env(**extra) -> dict:
                 TOKENIZERS_PARALLELISM="false", **extra)
 
 
-def run_process(cmd: list, out: Path, logfile: Path, timeout: float, env: dict = None):
+def run_process(cmd: list, out: Path, logfile: Path, timeout: float):
     """Run cmd, output to logfile; return (JSON it wrote to out or None, error text or None, wall s)."""
     start = time.perf_counter()
     try:
         with open(logfile, "w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env or subprocess_env(),
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=subprocess_env(),
                                 timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
@@ -260,10 +260,8 @@ def run_ours(args, engine, dtype, ids, workdir: Path, tag: str) -> dict:
                *(["--compile_mode", "max"] if engine == "ours-max" else []),
                *(["--compile_prefill"] if engine == "ours-prefill" else []),
                "--ignore_eos", "--num_samples", str(args.num_samples), "--metrics_json", str(out)]
-        # the other tree builds its own CPU kernels: one build directory for both would rebuild on every switch
-        env = subprocess_env(TORCH_EXTENSIONS_DIR=str(bench_cache_dir() / "before-extensions")) \
-            if engine == "ours-before" else None
-        metrics, err, seconds = run_process(cmd, out, workdir / f"{tag}-{name}.log", args.timeout, env)
+        # the other tree builds its own CPU kernels (kernels.build_name keys the build by checkout)
+        metrics, err, seconds = run_process(cmd, out, workdir / f"{tag}-{name}.log", args.timeout)
         wall += seconds
         if err:
             errors.append(f"{name}: {err}")

@@ -37,8 +37,6 @@ def test_kernels_are_loaded_from_this_checkout_s_own_build(tmp_path):
     """Each checkout and kernels.cpp text (and flags, and torch) builds under its own name: under
     one name, two checkouts on a machine rebuilt it at every switch, and a process could load the
     other's kernels, or find the library it runs replaced on disk."""
-    if not kernels.available():
-        pytest.skip("the kernels are not built on this CPU")
     flags = kernels.build_flags(kernels.has_vnni())
     name = kernels.build_name(kernels.SOURCE, flags)
     same, edited = tmp_path / "same" / "kernels.cpp", tmp_path / "edited" / "kernels.cpp"
@@ -48,6 +46,8 @@ def test_kernels_are_loaded_from_this_checkout_s_own_build(tmp_path):
     assert name == kernels.build_name(kernels.SOURCE, list(flags))
     assert len({name, kernels.build_name(same, flags), kernels.build_name(edited, flags),
                 kernels.build_name(kernels.SOURCE, kernels.build_flags(not kernels.has_vnni()))}) == 4
+    if not kernels.available():  # nothing loaded to check (test_small_linear_is_built_on_avx2_machines says why)
+        return
     with open("/proc/self/maps") as f:
         loaded = {line.split(maxsplit=5)[-1].strip() for line in f if "minillm_kernels" in line}
     assert len(loaded) == 1, loaded
