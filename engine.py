@@ -935,6 +935,14 @@ def bucket(n: int, limit: int, smallest: int = 128) -> int:
     return min(b, limit)
 
 
+def buckets(limit: int, smallest: int = 128) -> list:
+    """Every cache length bucket() gives for lengths up to limit."""
+    out = [min(smallest, limit)]
+    while out[-1] < limit:
+        out.append(min(2 * out[-1], limit))
+    return out
+
+
 def decode_logits(model: Transformer, tokens: Tensor, input_pos: Tensor, rows: Tensor, kv_len: int,
                   logit_rows: Tensor) -> Tensor:
     """One token for each row (B, 1) at its own position (B, 1) of its own cache row (B,): the
@@ -965,7 +973,8 @@ class BatchEngine:
 
     def __init__(self, model: Transformer, max_batch_size: int, max_seq_length: int, compile: bool = False,
                  compile_mode: str = "default", prefill_chunk: int = 256, max_waiting: int = 64,
-                 prefix_reuse: bool = True, fused_rows: Optional[int] = None, prepack: bool = True):
+                 prefix_reuse: bool = True, fused_rows: Optional[int] = None, prepack: bool = True,
+                 pad_rows: Optional[bool] = None):
         check_longrope_batching(model.args, max_seq_length)
         if prepack:  # steps of many rows: their products read oneDNN's layout of the weights
             kernels.prepack(model)
@@ -986,16 +995,22 @@ class BatchEngine:
                          "requests_finished": 0}
         self.decode = decode_logits
         self.min_rows = 1
+        # On CUDA every step shape is a CUDA graph of its own: rows are padded to a power of two, and
+        # the step is compiled general in every size from the start (one compile, not two)
+        self.pad_rows = compile and (self.device.type == "cuda" if pad_rows is None else pad_rows)
         if compile:
-            self.decode = compile_step(decode_logits, model, compile_mode, dynamic=None)  # rows and kv_len vary
-            # a lone row would take the one-token kernels, other bits than beside others
-            self.min_rows = min(2, max_batch_size + 1) if self.device.type == "cpu" else 1
+            self.decode = compile_step(decode_logits, model, compile_mode,  # rows and kv_len vary
+                                       dynamic=True if self.pad_rows and compile_mode != "regional" else None)
+            # a lone row would take the one-token kernels on CPU, other bits than beside others; and
+            # a size of 1 is never general in a compiled graph: it would compile a graph of its own
+            self.min_rows = min(2, max_batch_size + 1)
         # Rows of one compiled step: while requests decode, prompt tokens ride in the same step
         # (each a row of its own, at its position), so a prompt costs the running streams a larger
         # step rather than a whole prefill; 0: prompts prefill apart. The CPU kernels serve up to
         # 128 float tokens per call (64 quantized) with the same bits for a row whatever the others.
         if fused_rows is None:
-            fused_rows = 64 if compile and self.device.type == "cpu" and kernels.available() else 0
+            fused = compile and self.device.type == "cpu" and kernels.available() and not self.pad_rows
+            fused_rows = 64 if fused else 0
         if model.ring_window:  # a ring cache reads a row's window before the step writes it: a prompt
             fused_rows = 0     # token would miss the keys of the tokens beside it in the same step
         self.fused_rows = fused_rows
@@ -1066,8 +1081,12 @@ class BatchEngine:
             for row, ids, start in plan.fused:
                 rows += [(row, t, start + j) for j, t in enumerate(ids)]
                 keep.append(len(rows) - 1)  # its logits matter when the prompt ends there
-            rows += [(self.scratch_row, 0, 0)] * (self.min_rows - len(rows))
-            keep += [0] * (self.min_rows - len(keep))  # the same kernels for the logits as for the rest
+            width = max(self.min_rows, len(rows))
+            if self.pad_rows:  # as many logits as rows: one size for both
+                width = 1 << (width - 1).bit_length()
+            rows += [(self.scratch_row, 0, 0)] * (width - len(rows))
+            # the same kernels for the logits as for the rest
+            keep += [0] * ((width if self.pad_rows else self.min_rows) - len(keep))
             kv_len = bucket(max(pos for _, _, pos in rows) + 1, self.max_seq_length)
             logits = self.decode(self.model, torch.tensor([[t] for _, t, _ in rows], device=device),
                                  torch.tensor([[p] for _, _, p in rows], device=device),

@@ -44,7 +44,7 @@ import torch
 import checkpoint
 import kernels
 from engine import (COMPILE_MODES, MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan,
-                    check_longrope_batching, check_sampling, check_vocabulary, decode_logits, load_model, log,
+                    buckets, check_longrope_batching, check_sampling, check_vocabulary, decode_logits, load_model, log,
                     longrope_switch, meta_model, parse_device, parse_dtype, preflight, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
@@ -912,12 +912,13 @@ def check_context(args, config):
 
 
 def warm_up(engine: BatchEngine):
-    """Compile the decode step before serving: runs on the scratch row, for two batch sizes (one
-    with prompt rows, which need no logits) and two cache lengths, the second step changing all
-    three at once so that one recompile makes the graph general in them before the first request;
-    then for steps of as many rows, and as many logits, as make the float products change kernels
-    (kernels.compiled_onednn_min_tokens), which compile apart (a request would otherwise wait for the
-    compiler in the middle of serving)."""
+    """Compile the decode step before serving (a request would otherwise wait for the compiler in
+    the middle of serving), on the scratch row. On CPU: two batch sizes (one with prompt rows,
+    which need no logits) and two cache lengths, the second step changing all three at once so
+    that one recompile makes the graph general in them; then steps of as many rows, and as many
+    logits, as make the float products change kernels (kernels.compiled_onednn_min_tokens), which
+    compile apart. On CUDA the step is general from the first compile: every shape a step takes
+    (power-of-two rows, each cache bucket), twice, so that each is recorded as a CUDA graph."""
     if engine.decode is decode_logits:  # not compiled
         return
     start = time.perf_counter()
@@ -927,17 +928,25 @@ def warm_up(engine: BatchEngine):
     def step(decoding: int, prompt: int, pos: int) -> StepPlan:
         return StepPlan(decode=[(row, 0, pos)] * decoding, fused=[(row, [0] * prompt, pos)] if prompt else [])
 
-    # a prompt chunk of two tokens: one more logit-less row
-    grow = (engine.min_rows, 2) if fused else (min(engine.min_rows + 1, B + 1), 0)
-    plans = [step(engine.min_rows, 0, 0), step(*grow, min(200, engine.max_seq_length - 3)), step(*grow, 0)]
-    wide = kernels.compiled_onednn_min_tokens(engine.model.norm.weight.dtype)
-    pos = max(0, engine.max_seq_length - wide - 1)
-    if fused >= wide:  # many rows, few logits: prompt tokens beside a few streams
-        plans.append(step(1, wide - 1, pos))
-    elif B + 1 >= wide:
-        plans.append(step(wide, 0, pos))
-    if B >= wide:  # many rows and many logits: as many streams
-        plans.append(step(wide, 2 if fused >= wide + 2 else 0, pos))
+    if engine.pad_rows:
+        plans, width = [], engine.min_rows
+        while True:
+            plans += [step(width, 0, kv - 1) for kv in buckets(engine.max_seq_length) for _ in range(2)]
+            if width >= B:
+                break
+            width *= 2
+    else:
+        # a prompt chunk of two tokens: one more logit-less row
+        grow = (engine.min_rows, 2) if fused else (min(engine.min_rows + 1, B + 1), 0)
+        plans = [step(engine.min_rows, 0, 0), step(*grow, min(200, engine.max_seq_length - 3)), step(*grow, 0)]
+        wide = kernels.compiled_onednn_min_tokens(engine.model.norm.weight.dtype)
+        pos = max(0, engine.max_seq_length - wide - 1)
+        if fused >= wide:  # many rows, few logits: prompt tokens beside a few streams
+            plans.append(step(1, wide - 1, pos))
+        elif B + 1 >= wide:
+            plans.append(step(wide, 0, pos))
+        if B >= wide:  # many rows and many logits: as many streams
+            plans.append(step(wide, 2 if fused >= wide + 2 else 0, pos))
     with torch.inference_mode():
         for plan in plans:
             if engine.broadcast is not None:

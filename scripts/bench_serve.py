@@ -202,8 +202,8 @@ HEADER = (f"{'engine / setting':<34} {'out t/s':>8} {'req/s':>6} {'TTFT p50':>8}
 
 
 def worker_transformers(args) -> None:
-    """In its own process: transformers' continuous batching (`generate_batch`) on the F32 GGUF,
-    the prompts of --worker_io, at most `concurrency` requests per batch; writes one result per
+    """In its own process: transformers' continuous batching (`generate_batch`) on the F32 GGUF
+    (in the run's precision, on its device), the prompts of --worker_io, at most `concurrency` requests per batch; writes one result per
     request in run_load's form (every request is queued at the start, so its TTFT includes the wait)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -211,8 +211,9 @@ def worker_transformers(args) -> None:
     torch.set_num_threads(THREADS)
     job = json.loads(Path(args.worker_io).read_text())
     gguf = Path(job["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 attn_implementation="paged|sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=getattr(torch, job["precision"]),
+                                                 attn_implementation="paged|sdpa").eval().to(job["device"])
     cb = ContinuousBatchingConfig(max_requests_per_batch=job["concurrency"])
 
     def batch(prompts, n):
@@ -233,6 +234,7 @@ def run_transformers(args, prompts: list, warmup: list, concurrency: int) -> lis
     gguf = gguf_variant(download.fetch_gguf(args.model), "F32", CACHE / "bench")
     io = args.logdir / "transformers.json"
     io.write_text(json.dumps({"gguf": str(gguf), "prompts": prompts, "warmup": warmup, "concurrency": concurrency,
+                              "device": args.device, "precision": args.precision,
                               "output_len": args.output_len}))
     with open(args.logdir / "transformers.log", "a") as logfile:
         subprocess.run([sys.executable, "-m", "scripts.bench_serve", "--worker_io", str(io)], cwd=ROOT, check=True,
@@ -341,8 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformers (generate_batch, throughput workload only)")
     p.add_argument("--precision", choices=["float32", "bfloat16", "int8"], default="float32",
                    help="float32: ours float32 against llama.cpp F32; int8: ours int8 against Q8_0 "
-                        "(bfloat16 activations on a GPU); bfloat16: ours only")
-    p.add_argument("--device", default="cpu", help="serve.py's device (cpu, or cuda: ours only)")
+                        "(bfloat16 activations on a GPU); bfloat16: ours and transformers")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (ours and transformers)")
     p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix"], default="throughput")
     p.add_argument("--concurrency", default="1,4,8,16")
     p.add_argument("--input_len", type=int, default=256)
@@ -390,8 +392,10 @@ def main(argv=None):
         sys.exit(f"error: unknown engine(s) {', '.join(unknown)} (choose from {', '.join(known)})")
     if "transformers" in names and args.workload != "throughput":
         sys.exit("error: the transformers engine (generate_batch, not a server) runs the throughput workload only")
-    if (args.device != "cpu" or args.precision == "bfloat16") and names != ["ours"]:
-        sys.exit(f"error: --device {args.device} --precision {args.precision} runs --engines ours only")
+    if (args.device != "cpu" or args.precision == "bfloat16") and "llama-server" in names:
+        sys.exit("error: llama-server runs on --device cpu at float32 or int8 only")
+    if args.precision == "int8" and "transformers" in names:
+        sys.exit("error: the transformers engine runs float32 or bfloat16")
     starters = {n: known[n] for n in names}
     run = {"throughput": workload_throughput, "long-prompt": workload_long_prompt,
            "shared-prefix": workload_shared_prefix}[args.workload]

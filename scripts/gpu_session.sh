@@ -8,9 +8,10 @@
 #   call 1, carrying .gpu/whl .gpu/a:  bash scripts/gpu_session.sh info parta kernels tests1:400
 #   call 2, carrying .gpu/b, while the machine is still warm (files under /tmp persist until it goes back):
 #                                      bash scripts/gpu_session.sh model tests2:420
-#   then (serve.py's warm-up compile took over 130 s there; each decode row is a compiling process):
-#                                      bash scripts/gpu_session.sh serve:400
+#   then (each decode row is a compiling process):
+#                                      bash scripts/gpu_session.sh serve:240 serve-prefix:120 serve-long:120
 #                                      DTYPES=bfloat16 QUANT= bash scripts/gpu_session.sh decode:500
+#   or, short of time: call 1 "info parta batching:120", call 2 "model serve serve-prefix serve-long".
 # Results (logs, JSON) go to $OUT (default /tmp/out).
 set -u
 cd "$(dirname "$0")/.."
@@ -58,8 +59,14 @@ pytest_run() {  # name seconds pytest-args...
   shift 2
   MINILLM_TEST_DEVICE=cuda timeout -k 15 "$secs" python3 -m pytest -v -n "${WORKERS:-8}" --dist loadfile \
     -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name rc=$? in $((SECONDS - t0)) s"
-  grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/$name.log" | cut -c1-300 | tail -40
+  echo "== $name rc=$? in $((SECONDS - t0)) s: $(grep -c ' PASSED' "$OUT/$name.log") passed so far"
+  grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/$name.log" | cut -c1-300 | tail -40
+}
+
+keep_server_logs() {  # bench_serve's server logs (in /tmp/minillm-bench-serve-PID) come back too
+  for f in /tmp/minillm-bench-serve-*/*.log; do
+    [ -f "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")-$(basename "$f")"
+  done
 }
 
 for arg in "$@"; do
@@ -78,9 +85,16 @@ for arg in "$@"; do
         cat /tmp/parts/a .gpu/b/part > /tmp/mc/gguf/$GGUF_NAME && timeout "$secs" python3 download.py smollm2-135m; fi ;;
     tests1) pytest_run tests1 "$secs" -k "$NOGEMMA" $T1 ;;
     tests2) pytest_run tests2 "$secs" $T2 ;;
-    serve)
+    serve)  # ours and transformers' generate_batch at each concurrency
       timeout -k 10 "$secs" python3 -m scripts.bench_serve --device cuda --precision "${PREC:-bfloat16}" \
-        --engines ours --concurrency 1,4,8,16 --json "$OUT/serve-cuda.json" ;;
+        --engines "${SERVE_ENGINES:-ours,transformers}" --concurrency 1,4,8,16 --json "$OUT/serve-cuda.json"
+      keep_server_logs ;;
+    serve-prefix|serve-long)
+      w=shared-prefix; [ "$stage" = serve-long ] && w=long-prompt
+      timeout -k 10 "$secs" python3 -m scripts.bench_serve --device cuda --precision "${PREC:-bfloat16}" \
+        --engines ours --workload $w --json "$OUT/$stage-cuda.json"
+      keep_server_logs ;;
+    batching) pytest_run batching "$secs" --dist load tests/test_batching.py tests/test_device.py ;;
     decode)
       # each engine and precision is a process that compiles (40-70 s on an H200 with empty caches), twice
       # (both prompts): name fewer with ENGINES, DTYPES and QUANT (empty for none) to fit a call

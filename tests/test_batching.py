@@ -121,6 +121,30 @@ def test_warm_up_compiles_every_step_shape():
         assert max(widths) > 16 and min(widths) < 16, widths
 
 
+def test_padded_rows_compile_once_and_change_no_token():
+    """The CUDA step (run here on CPU): rows padded to powers of two, compiled general in every
+    size from the first call. After the warm-up no step compiles, every step has a power-of-two
+    width, and each request's greedy tokens are its solo run's."""
+    import serve
+    model = random_model(device=TEST_DEVICE)
+    ps = prompts(9, seed=8)
+    want = [alone(model, p, 10) for p in ps]
+    engine = BatchEngine(kernels.install(copy.deepcopy(model)), max_batch_size=5, max_seq_length=200, compile=True,
+                         prefill_chunk=16, pad_rows=True)
+    widths = []  # the rows of each compiled call
+    decode = engine.decode
+    engine.decode = lambda model, tokens, *args: (widths.append(len(tokens)), decode(model, tokens, *args))[1]
+    torch._dynamo.reset()
+    serve.warm_up(engine)
+    assert widths == [2] * 4 + [4] * 4 + [8] * 4  # (rows 2, 4, 8) x (cache lengths 128, 200) x 2
+    widths.clear()
+    reqs = [Request(p, 10) for p in ps]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        run_all(engine, {0: reqs[:1], 3: reqs[1:4], 7: reqs[4:]})
+    assert [r.out for r in reqs] == want
+    assert set(widths) == {2, 4, 8}
+
+
 def test_compile_caches_are_keyed_by_the_traced_code(tmp_path):
     """A graph that other code cached brings that code's shape guards along (a float32 step split at
     16 rows: the warm-up's steps then compile again in the middle of serving), so compiled steps key
