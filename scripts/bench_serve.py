@@ -403,9 +403,9 @@ def main(argv=None):
     if args.json:
         meta = {"machine_threads": THREADS, "device": device_name(args.device), "date": time.strftime("%Y-%m-%d"),
                 "argv": sys.argv[1:],
-                # MINILLM_COMMIT: a copy of the tree without its git history (a GPU machine's)
-                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                         text=True).stdout.strip() or os.environ.get("MINILLM_COMMIT", "")}
+                # MINILLM_COMMIT first: a copy of the tree (a GPU machine's) may carry a stale git history
+                "commit": os.environ.get("MINILLM_COMMIT") or subprocess.run(
+                    ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()}
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         tmp.rename(args.json)

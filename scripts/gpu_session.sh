@@ -11,7 +11,8 @@
 #   then (each decode row is a compiling process):
 #                                      bash scripts/gpu_session.sh serve:240 serve-prefix:120 serve-long:120
 #                                      DTYPES=bfloat16 QUANT= bash scripts/gpu_session.sh decode:500
-#   or, short of time: call 1 "info parta batching:120", call 2 "model serve serve-prefix serve-long".
+#   or, short of time: call 1 "info parta batching:120", call 2 "model warmup:200 serve:200" (serve.py's
+#   warm-up took 147 s on an H100 with empty caches, 93 s with warm ones: the `warmup` stage says where).
 # Results (logs, JSON) go to $OUT (default /tmp/out).
 set -u
 cd "$(dirname "$0")/.."
@@ -57,7 +58,8 @@ NOGEMMA="not (gemma3_sentencepiece or gemma3_tokenizer_matches or gemma3_270m_lo
 pytest_run() {  # name seconds pytest-args...
   local name=$1 secs=$2 t0=$SECONDS
   shift 2
-  MINILLM_TEST_DEVICE=cuda timeout -k 15 "$secs" python3 -m pytest -v -n "${WORKERS:-8}" --dist loadfile \
+  # SIGINT at the cap: pytest still prints the failures' tracebacks and its summary
+  MINILLM_TEST_DEVICE=cuda timeout -s INT -k 20 "$secs" python3 -m pytest -v -n "${WORKERS:-8}" --dist loadfile \
     -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? in $((SECONDS - t0)) s: $(grep -c ' PASSED' "$OUT/$name.log") passed so far"
   grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/$name.log" | cut -c1-300 | tail -40
@@ -85,15 +87,29 @@ for arg in "$@"; do
         cat /tmp/parts/a .gpu/b/part > /tmp/mc/gguf/$GGUF_NAME && timeout "$secs" python3 download.py smollm2-135m; fi ;;
     tests1) pytest_run tests1 "$secs" -k "$NOGEMMA" $T1 ;;
     tests2) pytest_run tests2 "$secs" $T2 ;;
-    serve)  # ours and transformers' generate_batch at each concurrency
+    serve)  # ours at each concurrency; SERVE_ENGINES=ours,transformers adds generate_batch (~1 min a level)
       timeout -k 10 "$secs" python3 -m scripts.bench_serve --device cuda --precision "${PREC:-bfloat16}" \
-        --engines "${SERVE_ENGINES:-ours,transformers}" --concurrency 1,4,8,16 --json "$OUT/serve-cuda.json"
+        --engines "${SERVE_ENGINES:-ours}" --concurrency 1,4,8,16 --json "$OUT/serve-cuda.json"
       keep_server_logs ;;
     serve-prefix|serve-long)
       w=shared-prefix; [ "$stage" = serve-long ] && w=long-prompt
       timeout -k 10 "$secs" python3 -m scripts.bench_serve --device cuda --precision "${PREC:-bfloat16}" \
         --engines ours --workload $w --json "$OUT/$stage-cuda.json"
       keep_server_logs ;;
+    warmup)  # where serve.py's warm-up time goes on CUDA: compile_times covers tracing and inductor, the
+             # rest of the warm-up is running (Triton's first launches and autotuning, graph recording)
+      timeout -k 10 "$secs" python3 - <<'PY'
+import time, torch, serve
+from engine import BatchEngine, load_model
+from torch._dynamo.utils import compile_times
+model = load_model("checkpoints/smollm2-135m", torch.device("cuda"), torch.bfloat16)
+engine = BatchEngine(model, 16, 392, compile=True)
+t = time.perf_counter()
+serve.warm_up(engine)
+print(f"warm-up {time.perf_counter() - t:.1f} s")
+print(compile_times(repr="str", aggregate=True))
+PY
+      ;;
     batching) pytest_run batching "$secs" --dist load tests/test_batching.py tests/test_device.py ;;
     decode)
       # each engine and precision is a process that compiles (40-70 s on an H200 with empty caches), twice

@@ -85,7 +85,7 @@ def assert_wide_steps_as_alone(solo: Transformer, served: Transformer, ps: list,
     reqs = [Request(p, n) for p in ps]
     run_all(engine, {0: reqs[:11], 6: reqs[11:]})
     assert [r.out for r in reqs] == want
-    if kernels.available():
+    if engine.fused_rows:  # prompt tokens ride in the step (CPU kernels; on CUDA prompts prefill apart)
         assert max(widths) > 16, widths
 
 
