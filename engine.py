@@ -961,12 +961,14 @@ class BatchEngine:
     leave between steps. A finished request's slot keeps its keys and values: a new request takes
     the free slot that shares the longest beginning with its prompt and prefills only the rest.
 
-    A request's output does not depend on what runs beside it: every decode row goes through the
-    same kernels whatever the others are (on CPU a step has at least two rows, a lone request
+    A request's output does not depend on what runs beside it on CPU: every decode row goes through
+    the same kernels whatever the others are (a compiled step has at least two rows, a lone request
     padded with one that writes to a scratch cache row; at most `fused_rows`, so one kernel serves
     every step), and seeded requests draw from their own generator. How its prompt was split into
     chunks can change the last bits of its keys and values (as a prefix hit does), which the tests
-    check does not change greedy text in float32.
+    check does not change greedy text in float32. On CUDA (`pad_rows`) prompts prefill apart and a
+    step's rows are padded to a power of two, each shape one CUDA graph; cuBLAS may then give a row
+    other bits beside other rows.
 
     submit() and cancel() may be called from any thread; step() from one thread only.
     """
