@@ -1083,11 +1083,9 @@ class BatchEngine:
             for row, ids, start in plan.fused:
                 rows += [(row, t, start + j) for j, t in enumerate(ids)]
                 keep.append(len(rows) - 1)  # its logits matter when the prompt ends there
-            width = max(self.min_rows, len(rows))
-            if self.pad_rows:  # as many logits as rows: one size for both
-                width = 1 << (width - 1).bit_length()
+            width = self.step_width(len(rows))
             rows += [(self.scratch_row, 0, 0)] * (width - len(rows))
-            # the same kernels for the logits as for the rest
+            # the same kernels for the logits as for the rest; padded, as many logits as rows (one size)
             keep += [0] * ((width if self.pad_rows else self.min_rows) - len(keep))
             kv_len = bucket(max(pos for _, _, pos in rows) + 1, self.max_seq_length)
             logits = self.decode(self.model, torch.tensor([[t] for _, t, _ in rows], device=device),
@@ -1102,6 +1100,11 @@ class BatchEngine:
                                 last_logits_only=True, kv_len=start + T, rows=torch.tensor([row], device=device))
             prefilled.append(logits[0, -1])
         return decoded, prefilled
+
+    def step_width(self, rows: int) -> int:
+        """The rows a step of `rows` runs with: at least min_rows; with pad_rows, a power of two."""
+        width = max(self.min_rows, rows)
+        return 1 << (width - 1).bit_length() if self.pad_rows else width
 
     def follow(self, receive: Callable):
         """A tensor-parallel rank other than 0: run every plan rank 0 sends, until it sends None."""

@@ -929,12 +929,8 @@ def warm_up(engine: BatchEngine):
         return StepPlan(decode=[(row, 0, pos)] * decoding, fused=[(row, [0] * prompt, pos)] if prompt else [])
 
     if engine.pad_rows:
-        plans, width = [], engine.min_rows
-        while True:
-            plans += [step(width, 0, kv - 1) for kv in buckets(engine.max_seq_length) for _ in range(2)]
-            if width >= B:
-                break
-            width *= 2
+        widths = sorted({engine.step_width(n) for n in range(1, B + 1)})
+        plans = [step(w, 0, kv - 1) for w in widths for kv in buckets(engine.max_seq_length) for _ in range(2)]
     else:
         # a prompt chunk of two tokens: one more logit-less row
         grow = (engine.min_rows, 2) if fused else (min(engine.min_rows + 1, B + 1), 0)

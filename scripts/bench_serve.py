@@ -203,8 +203,9 @@ HEADER = (f"{'engine / setting':<34} {'out t/s':>8} {'req/s':>6} {'TTFT p50':>8}
 
 def worker_transformers(args) -> None:
     """In its own process: transformers' continuous batching (`generate_batch`) on the F32 GGUF
-    (in the run's precision, on its device), the prompts of --worker_io, at most `concurrency` requests per batch; writes one result per
-    request in run_load's form (every request is queued at the start, so its TTFT includes the wait)."""
+    (in the run's precision, on its device), the prompts of --worker_io, at most `concurrency`
+    requests per batch; writes one result per request in run_load's form (every request is queued
+    at the start, so its TTFT includes the wait)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation import ContinuousBatchingConfig, GenerationConfig
