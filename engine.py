@@ -89,8 +89,10 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_
     preflight(model, checkpoint_dir, device, dtype, needs,
               ranks=ranks_on_this_machine() if tp is not None and device.type == "cpu" else 1)
     keep_dtype = quantize.float_tensor_names(model)  # a quantized layer's scales and zeros
+    streamed = quantize.streamed_int8_names(model)  # int8 rows read into one block on 2 MB pages (CPU)
     state = checkpoint.read_weights(checkpoint_dir, checkpoint.expected_shapes(model), device, dtype,
-                                    keep_dtype=keep_dtype.__contains__, read=tp.read if tp is not None else None)
+                                    keep_dtype=keep_dtype.__contains__, read=tp.read if tp is not None else None,
+                                    streamed=streamed.__contains__)
     model.load_state_dict(state, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight

@@ -752,6 +752,16 @@ def float_tensor_names(model) -> set:
             for tensor in module.float_tensors}
 
 
+def streamed_int8_names(model) -> set:
+    """The int8 weights that the CPU loops read as stored, whole, every decode step: the linear
+    layers' and experts', and the embedding's where the head is tied to it (an untied embedding
+    is read a row a token)."""
+    names = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, (Int8Linear, Int8Experts))}
+    if model.args.tie_word_embeddings and isinstance(model.tok_embeddings, Int8Embedding):
+        names.add("tok_embeddings.weight")
+    return names
+
+
 def prepare_for_device(model):
     """Tie a tied head's scales to the embedding's (load_model has tied the weight), repack every
     quantized layer's integers for the kernel, on the device they were loaded to, and make them

@@ -164,6 +164,55 @@ def test_huge_page_block_is_aligned_zeroed_advised_and_outlives_its_views():
     assert checkpoint.huge_page_block(1000).numel() == 1000  # small: plain memory
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_streamed_int8_rows_are_read_into_one_block_off_the_file_mapping(tmp_path, tied):
+    """The int8 rows that a decode step streams (linear layers; the embedding only where the head
+    is tied to it) are read with file reads into one 2 MB-page block: the same integers, but not
+    the file's mapped pages, and load_model's packed layers read them there."""
+    import kernels
+    from engine import load_model
+    model = random_model(vocab_size=4096, dim=256, intermediate_size=1024, tie_word_embeddings=tied)  # > 2 MB of int8
+    src = save_checkpoint(model, tmp_path / "float")
+    quantize.main(["--checkpoint", str(src), "--mode", "int8", "--out", str(tmp_path / "int8")])
+    ckpt = tmp_path / "int8"
+    meta = meta_model(checkpoint.read_config(ckpt))
+    names = quantize.streamed_int8_names(meta)
+    linears = {f"{n}.weight" for n, m in meta.named_modules() if isinstance(m, quantize.Int8Linear)} - {"output.weight"}
+    assert linears and linears <= names and ("tok_embeddings.weight" in names) == tied
+    expected, keep = checkpoint.expected_shapes(meta), quantize.float_tensor_names(meta).__contains__
+    names &= set(expected)  # a tied head is stored as the embedding
+    assert ("output.weight" in names) == (not tied)
+    plain = checkpoint.read_weights(ckpt, expected, "cpu", torch.float32, keep_dtype=keep)
+    state = checkpoint.read_weights(ckpt, expected, "cpu", torch.float32, keep_dtype=keep, streamed=names.__contains__)
+    assert state.keys() == plain.keys() and all(torch.equal(state[n], plain[n]) for n in state)
+    base = state[min(names)].untyped_storage().data_ptr()
+    assert all(state[n].untyped_storage().data_ptr() == base for n in names)  # one allocation
+    mapped = file_mappings(ckpt / checkpoint.WEIGHTS)
+    assert mapped  # safetensors maps the file for the other tensors
+    for n, t in state.items():
+        inside = any(lo <= t.data_ptr() < hi for lo, hi in mapped)
+        assert inside == (n not in names), n  # the rest stay where the file is mapped
+    assert sum(state[n].nbytes for n in names) > checkpoint.HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert "hg" in vma_flags(state[min(names)].data_ptr())
+    if kernels.available():  # the CPU loops read the integers where they were read to
+        loaded = load_model(ckpt)
+        layer = loaded.layers[0].feed_forward.w2
+        assert isinstance(layer, quantize.Int8Linear) and not any(lo <= layer.packed.data_ptr() < hi
+                                                                 for lo, hi in file_mappings(ckpt / checkpoint.WEIGHTS))
+
+
+def file_mappings(path: Path) -> list:
+    """(start, end) of each of this process's mappings of the file at path, from /proc/self/maps."""
+    out, real = [], str(Path(path).resolve())
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == real:
+            lo, hi = fields[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
 def vma_flags(address: int):
     """The VmFlags of this process's mapping that holds address, from /proc/self/smaps."""
     inside = False
