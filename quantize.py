@@ -753,7 +753,7 @@ def float_tensor_names(model) -> set:
 
 
 def streamed_int8_names(model) -> set:
-    """The int8 weights that the CPU loops read as stored, whole, every decode step: the linear
+    """The int8 weights whose rows the CPU loops read as stored in every decode step: the linear
     layers' and experts', and the embedding's where the head is tied to it (an untied embedding
     is read a row a token)."""
     names = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, (Int8Linear, Int8Experts))}
