@@ -202,6 +202,31 @@ def test_streamed_int8_rows_are_read_into_one_block_off_the_file_mapping(tmp_pat
                                                                  for lo, hi in file_mappings(ckpt / checkpoint.WEIGHTS))
 
 
+@pytest.mark.skipif(not __import__("kernels").available(), reason="int4 rows are the CPU kernels' layout")
+def test_int4_rows_are_packed_into_one_block(tmp_path):
+    """The CPU loops' int4 rows are packed straight into one 2 MB-page block: the same bytes as
+    packing alone gives, one allocation, and the int8 head beside them stays in its own block."""
+    from engine import load_model
+    model = random_model(vocab_size=4096, dim=256, intermediate_size=2048, n_layers=4, tie_word_embeddings=False)
+    src = save_checkpoint(model, tmp_path / "float")
+    quantize.main(["--checkpoint", str(src), "--mode", "int4", "--out", str(tmp_path / "int4")])
+    loaded = load_model(tmp_path / "int4")
+    layers = [m for m in loaded.modules() if isinstance(m, quantize.Int4Linear)]
+    assert layers and all(m.cpu_kernel_layout for m in layers)
+    assert len({m.packed.untyped_storage().data_ptr() for m in layers}) == 1  # one allocation
+    assert sum(m.packed.nbytes for m in layers) > checkpoint.HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert "hg" in vma_flags(layers[0].packed.data_ptr())
+    meta = meta_model(checkpoint.read_config(tmp_path / "int4"))
+    plain = checkpoint.read_weights(tmp_path / "int4", checkpoint.expected_shapes(meta), "cpu", torch.float32,
+                                    keep_dtype=quantize.float_tensor_names(meta).__contains__)
+    for name, m in loaded.named_modules():
+        if isinstance(m, quantize.Int4Linear):
+            assert torch.equal(m.packed, quantize.pack_int4_rows(quantize.bytes_to_nibbles(plain[f"{name}.weight"]))), name
+    assert isinstance(loaded.output, quantize.Int8Linear)
+    assert loaded.output.packed.untyped_storage().data_ptr() != layers[0].packed.untyped_storage().data_ptr()
+
+
 def file_mappings(path: Path) -> list:
     """(start, end) of each of this process's mappings of the file at path, from /proc/self/maps."""
     out, real = [], str(Path(path).resolve())
