@@ -114,11 +114,17 @@ def converted_block(f, expected: dict, device, dtype: torch.dtype, keep_dtype: C
         return {}
     nbytes = {n: math.prod(shape) * dtype.itemsize for n, shape in expected.items()
               if FLOAT_DTYPES.get(f.get_slice(n).get_dtype(), dtype) != dtype and not keep_dtype(n)}
+    return {name: v.view(dtype).view(expected[name]) for name, v in block_views(nbytes).items()}
+
+
+def block_views(nbytes: dict) -> dict:
+    """key -> a uint8 view of that many bytes, all in one huge_page_block, 64-byte aligned, in
+    the dict's order."""
     aligned = lambda size: -(-size // 64) * 64  # noqa: E731
     block = huge_page_block(sum(map(aligned, nbytes.values())))
     views, offset = {}, 0
-    for name, size in nbytes.items():
-        views[name] = block[offset:offset + size].view(dtype).view(expected[name])
+    for key, size in nbytes.items():
+        views[key] = block[offset:offset + size]
         offset += aligned(size)
     return views
 
@@ -138,26 +144,19 @@ def streamed_block(path: Path, f, expected: dict, device, streamed: Callable[[st
         header = json.loads(fh.read(n))
     start = 8 + n
     names.sort(key=lambda name: header[name]["data_offsets"][0])
-    spans = {name: header[name]["data_offsets"] for name in names}
-    aligned = lambda size: -(-size // 64) * 64  # noqa: E731
-    block = huge_page_block(sum(aligned(end - begin) for begin, end in spans.values()))
-    out, offset = {}, 0
+    views = block_views({name: header[name]["data_offsets"][1] - header[name]["data_offsets"][0] for name in names})
     fd = os.open(path, os.O_RDONLY)
     try:
-        for name in names:
-            begin, end = spans[name]
-            view = block[offset:offset + end - begin]
-            buf, done = memoryview(view.numpy()), 0
+        for name, view in views.items():
+            buf, done, at = memoryview(view.numpy()), 0, start + header[name]["data_offsets"][0]
             while done < len(buf):
-                got = os.preadv(fd, [buf[done:]], start + begin + done)
+                got = os.preadv(fd, [buf[done:]], at + done)
                 if got <= 0:
                     raise CheckpointError(f"{path} is truncated: {name} ends past the end of the file")
                 done += got
-            out[name] = view.view(torch.int8).view(f.get_slice(name).get_shape())
-            offset += aligned(end - begin)
     finally:
         os.close(fd)
-    return out
+    return {name: view.view(torch.int8).view(f.get_slice(name).get_shape()) for name, view in views.items()}
 
 
 HUGE_PAGE = 2 << 20

@@ -254,14 +254,9 @@ def int4_rows_block(layers: list) -> dict:
     Packed into it directly, so that no packed copy is freed to the heap, which would keep it."""
     weights = {id(m.weight): m.weight for m in layers
                if isinstance(m, Int4Linear) and m.weight is not None and for_cpu_kernel(m.weight)}
-    sizes = {key: (w.shape[0], -(-w.shape[1] * 2 // 64) * 32) for key, w in weights.items()}
-    aligned = lambda n: -(-n // 64) * 64  # noqa: E731
-    block = checkpoint.huge_page_block(sum(aligned(rows * cols) for rows, cols in sizes.values()))
-    views, offset = {}, 0
-    for key, (rows, cols) in sizes.items():
-        views[key] = block[offset:offset + rows * cols].view(rows, cols)
-        offset += aligned(rows * cols)
-    return views
+    shapes = {key: (w.shape[0], -(-w.shape[1] * 2 // 64) * 32) for key, w in weights.items()}  # pack_int4_rows'
+    views = checkpoint.block_views({key: rows * cols for key, (rows, cols) in shapes.items()})
+    return {key: view.view(shapes[key]) for key, view in views.items()}
 
 
 def unpack_int4_rows(packed: Tensor) -> Tensor:

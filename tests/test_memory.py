@@ -202,7 +202,9 @@ def test_streamed_int8_rows_are_read_into_one_block_off_the_file_mapping(tmp_pat
                                                                  for lo, hi in file_mappings(ckpt / checkpoint.WEIGHTS))
 
 
-@pytest.mark.skipif(not __import__("kernels").available(), reason="int4 rows are the CPU kernels' layout")
+# without the kernels int4 packs in 32-bit lanes for inductor's expression, on the heap (tested in test_quantize.py)
+@pytest.mark.skipif(not __import__("kernels").available(),
+                    reason="int4 rows are the CPU kernels' layout; without the kernels there are none to place")
 def test_int4_rows_are_packed_into_one_block(tmp_path):
     """The CPU loops' int4 rows are packed straight into one 2 MB-page block: the same bytes as
     packing alone gives, one allocation, and the int8 head beside them stays in its own block."""
