@@ -140,6 +140,10 @@ def _build() -> bool:
 
     for op in ("small_linear", "q8_linear", "q4_linear"):  # the output shape, for tracing
         torch.library.register_fake(f"minillm::{op}")(lambda x, w, *scales: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake("minillm::q8_dequantize")(
+        lambda w, scale, K, bf16: w.new_empty(w.shape[0], K, dtype=torch.bfloat16 if bf16 else torch.float32))
+    torch.library.register_fake("minillm::q4_dequantize")(
+        lambda w, s, z, g, K, bf16: w.new_empty(w.shape[0], K, dtype=torch.bfloat16 if bf16 else torch.float32))
     torch.library.register_fake("minillm::attend")(
         lambda q, *rest: torch.empty_like(q, memory_format=torch.contiguous_format))
     return True
@@ -271,6 +275,17 @@ def q4_linear(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor, groupsize: in
     """x (T, K) float32 times quantize.py's int4 weight packed by pack_int4_rows: w uint8
     (N, K / 2), scales and zeros float16 (N, groups padded to a multiple of 8)."""
     return torch.ops.minillm.q4_linear(x, w, scales, zeros, groupsize)
+
+
+def q8_dequantize(w: Tensor, scale: Tensor, in_features: int, dtype: torch.dtype) -> Tensor:
+    """q8_linear's weight as (N, in_features) float32 or bfloat16: q * scale, rounded once."""
+    return torch.ops.minillm.q8_dequantize(w, scale, in_features, dtype == torch.bfloat16)
+
+
+def q4_dequantize(w: Tensor, scales: Tensor, zeros: Tensor, groupsize: int, in_features: int,
+                  dtype: torch.dtype) -> Tensor:
+    """q4_linear's weight as (N, in_features) float32 or bfloat16: q * scale + zero per group."""
+    return torch.ops.minillm.q4_dequantize(w, scales, zeros, groupsize, in_features, dtype == torch.bfloat16)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float = 0.0,

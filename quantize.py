@@ -370,6 +370,8 @@ class Int8Linear(PackedLinear):
         self.width = self.packed.shape[1] * (1 if self.cpu_kernel_layout else 32)
 
     def dequantized(self, dtype) -> Tensor:  # (out, in) in dtype
+        if self.cpu_kernel_layout and kernels.available() and dtype in (torch.float32, torch.bfloat16):  # one pass
+            return kernels.q8_dequantize(self.packed, self.scales, self.in_features, dtype)
         q = self.packed if self.cpu_kernel_layout else unpack_int8(self.packed).reshape(self.out_features, -1)
         return (q[:, :self.in_features].float() * self.scales[:, None]).to(dtype)
 
@@ -445,6 +447,8 @@ class Int4Linear(PackedLinear):
         return q, s, z
 
     def dequantized(self, dtype) -> Tensor:
+        if self.cpu_kernel_layout and kernels.available() and dtype in (torch.float32, torch.bfloat16):  # one pass
+            return kernels.q4_dequantize(self.packed, self.scales, self.zeros, self.groupsize, self.in_features, dtype)
         if self.cpu_kernel_layout:
             q = unpack_int4_rows(self.packed).view(self.out_features, -1, self.groupsize)
             groups = q.shape[1]

@@ -151,6 +151,23 @@ def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_featu
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,in_features,out_features,groupsize",
+                         LAYERS + [("int8", 64, 2048, 32), ("int4", 64, 2048, 32)])  # rows split over threads
+def test_one_pass_dequantization_gives_the_expressions_bits(kind, in_features, out_features, groupsize, dtype):
+    """A long CPU prompt's weight (kernels.q8_dequantize / q4_dequantize) has the bits of quantize.py's
+    expression, which the layer takes with the kernels switched off, and is the weight it was made from."""
+    layer, w_hat, _ = make_layer(kind, in_features, out_features, groupsize, bias=False, device="cpu")
+    assert layer.cpu_kernel_layout
+    got = layer.dequantized(dtype)
+    with kernels.switched_off():
+        want = layer.dequantized(dtype)
+    assert got.dtype == dtype and got.shape == (out_features, in_features) and got.is_contiguous()
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), want.view(bits))
+    assert torch.equal(got, w_hat.to(dtype))
+
+
 @pytest.mark.parametrize("width", [64, 96, 640])
 def test_int4_rows_layout_round_trip(width):
     """kernels.py's int4 layout: 64 columns in 32 bytes, low nibbles 0-31, high nibbles 32-63."""
