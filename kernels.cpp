@@ -1,8 +1,8 @@
 // Hand-written CPU kernels for kernels.py, registered as the operators minillm::small_linear,
 // q8_linear, q4_linear, q8_dequantize, q4_dequantize, attend and stream_sum, which compiled graphs
-// call like aten ops. AVX2 and FMA; with AVX-512 and VNNI (kernels.py builds so where the CPU has them) the integer loops
-// work on 512-bit tiles of rows x tokens with vpdpbusd, and the float products on 16-lane loops
-// (one token) and tiles (more).
+// call like aten ops. AVX2 and FMA; with AVX-512 and VNNI (kernels.py builds so where the CPU has
+// them) the integer loops work on 512-bit tiles of rows x tokens with vpdpbusd, and the float
+// products on 16-lane loops (one token) and tiles (more).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

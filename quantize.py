@@ -329,6 +329,11 @@ class PackedLinear(QuantizedLayer):
       on a CPU with bf16 instructions, in bfloat16 through oneDNN (kernels.dense_linear), twice
       the float32 GEMM's rate."""
 
+    def one_pass(self, dtype) -> bool:
+        """Whether `dequantized` takes kernels.py's one-pass loop (the expression's bits, no float32
+        temporaries) rather than the torch expression."""
+        return self.cpu_kernel_layout and kernels.available() and dtype in (torch.float32, torch.bfloat16)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.cpu_kernel_layout and x.shape[:-1].numel() <= LOOP_MAX_TOKENS:
             y = self.cpu_kernel(padded_tokens(x, self.width))  # (tokens, out) float32
@@ -370,7 +375,7 @@ class Int8Linear(PackedLinear):
         self.width = self.packed.shape[1] * (1 if self.cpu_kernel_layout else 32)
 
     def dequantized(self, dtype) -> Tensor:  # (out, in) in dtype
-        if self.cpu_kernel_layout and kernels.available() and dtype in (torch.float32, torch.bfloat16):  # one pass
+        if self.one_pass(dtype):
             return kernels.q8_dequantize(self.packed, self.scales, self.in_features, dtype)
         q = self.packed if self.cpu_kernel_layout else unpack_int8(self.packed).reshape(self.out_features, -1)
         return (q[:, :self.in_features].float() * self.scales[:, None]).to(dtype)
@@ -447,7 +452,7 @@ class Int4Linear(PackedLinear):
         return q, s, z
 
     def dequantized(self, dtype) -> Tensor:
-        if self.cpu_kernel_layout and kernels.available() and dtype in (torch.float32, torch.bfloat16):  # one pass
+        if self.one_pass(dtype):
             return kernels.q4_dequantize(self.packed, self.scales, self.zeros, self.groupsize, self.in_features, dtype)
         if self.cpu_kernel_layout:
             q = unpack_int4_rows(self.packed).view(self.out_features, -1, self.groupsize)
