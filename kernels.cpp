@@ -1,5 +1,5 @@
 // Hand-written CPU kernels for kernels.py, registered as the operators minillm::small_linear,
-// q8_linear, q4_linear, q8_dequantize, q4_dequantize, attend and stream_sum, which compiled graphs
+// q8_linear, q4_linear, q8_dequantize, q4_dequantize, attend, prompt_attend and stream_sum, which compiled graphs
 // call like aten ops. AVX2 and FMA; with AVX-512 and VNNI (kernels.py builds so where the CPU has
 // them) the integer loops work on 512-bit tiles of rows x tokens with vpdpbusd, and the float
 // products on 16-lane loops (one token) and tiles (more).
@@ -986,6 +986,173 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out;
 }
 
+// ---------------------------------------------------------------- a bfloat16 prompt's attention
+// A chunk of a long bfloat16 prompt's queries (CPUs with AVX-512 BF16): q k^T with vdpbf16ps
+// into float32 scores (exact products of the bfloat16 values), softmax in float32, and the
+// probabilities rounded to bfloat16 for p v, as SDPA and transformers do in bfloat16. A block of
+// PA_ROWS query rows shares every load of keys and values, where `attend` reads them per query;
+// oneDNN's float32 GEMMs and torch's softmax took twice as long in a prompt (docs/benchmarks.md).
+#ifdef __AVX512BF16__
+constexpr int PA_ROWS = 4;
+
+// (S, D) rows -> pairs along D for 16 keys at a time: out[(kb * D/2 + dp) * 32 + 2 * j + e] = k[kb*16 + j][2 dp + e]
+void pack_keys(const at::BFloat16* k, int64_t ks, int64_t S, int64_t D, uint16_t* out) {
+  int64_t blocks = (S + 15) / 16;
+  std::memset(out, 0, blocks * 16 * D * 2);
+  for (int64_t s = 0; s < S; ++s) {
+    const uint16_t* row = reinterpret_cast<const uint16_t*>(k + s * ks);
+    uint16_t* o = out + (s / 16) * 16 * D + 2 * (s % 16);
+    for (int64_t dp = 0; dp < D / 2; ++dp) { o[dp * 32] = row[2 * dp]; o[dp * 32 + 1] = row[2 * dp + 1]; }
+  }
+}
+
+// (S, D) rows -> pairs of keys: out[(sp * D + d) * 2 + e] = v[2 sp + e][d], S padded to even with zeros
+void pack_values(const at::BFloat16* v, int64_t vs, int64_t S, int64_t D, uint16_t* out) {
+  int64_t pairs = (S + 1) / 2;
+  for (int64_t sp = 0; sp < pairs; ++sp) {
+    const uint16_t* r0 = reinterpret_cast<const uint16_t*>(v + 2 * sp * vs);
+    const uint16_t* r1 = 2 * sp + 1 < S ? reinterpret_cast<const uint16_t*>(v + (2 * sp + 1) * vs) : nullptr;
+    uint16_t* o = out + sp * D * 2;
+    for (int64_t d = 0; d < D; ++d) { o[2 * d] = r0[d]; o[2 * d + 1] = r1 ? r1[d] : 0; }
+  }
+}
+
+inline __m512 bcast_pair(const uint16_t* p) {  // two bfloat16 as one 32-bit lane, everywhere
+  uint32_t x; std::memcpy(&x, p, 4);
+  return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(x)));
+}
+
+// rows q[0..n) (n <= PA_ROWS) of one KV head: scores over S keys into sc (n x Sp floats)
+void pa_scores(const uint16_t* q, int64_t n, const uint16_t* kp, int64_t S, int64_t D, float* sc, int64_t Sp) {
+  int64_t blocks = (S + 15) / 16;
+  for (int64_t kb = 0; kb < blocks; kb += 2) {
+    bool two = kb + 1 < blocks;
+    __m512 acc[PA_ROWS][2];
+    for (int r = 0; r < PA_ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint16_t* k0 = kp + kb * 16 * D;
+    const uint16_t* k1 = k0 + 16 * D;
+    for (int64_t dp = 0; dp < D / 2; ++dp) {
+      __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + dp * 32);
+      __m512bh b = two ? (__m512bh)_mm512_loadu_si512(k1 + dp * 32) : a;
+      for (int r = 0; r < PA_ROWS; ++r) {
+        if (r >= n) break;
+        __m512bh qq = (__m512bh)bcast_pair(q + r * D + 2 * dp);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qq, a);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qq, b);
+      }
+    }
+    for (int r = 0; r < n; ++r) {
+      _mm512_storeu_ps(sc + r * Sp + kb * 16, acc[r][0]);
+      if (two) _mm512_storeu_ps(sc + r * Sp + kb * 16 + 16, acc[r][1]);
+    }
+  }
+}
+
+// p v for n rows of bfloat16 probabilities pb (n x Sp, zero past S): out rows of D floats
+template <int C>  // C 16-lane column groups of D at a time
+void pa_values(const uint16_t* pb, int64_t n, int64_t Sp, const uint16_t* vp, int64_t S, int64_t D, int64_t d0, float* out) {
+  __m512 acc[PA_ROWS][C];
+  for (int r = 0; r < PA_ROWS; ++r) for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  int64_t pairs = (S + 1) / 2;
+  for (int64_t sp = 0; sp < pairs; ++sp) {
+    __m512bh vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + (sp * D + d0 + 16 * c) * 2);
+    for (int r = 0; r < PA_ROWS; ++r) {
+      if (r >= n) break;
+      __m512bh pp = (__m512bh)bcast_pair(pb + r * Sp + 2 * sp);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, vv[c]);
+    }
+  }
+  for (int r = 0; r < n; ++r) for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * D + d0 + 16 * c, acc[r][c]);
+}
+
+// q (B, H, R, D) bfloat16 with R = group * T (row g * T + t is query t); k, v (B, H, S, D)
+// bfloat16, unit stride along D; mask (B, 1, T, S) float32, additive. Returns (B, H, R, D) float32.
+at::Tensor prompt_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "prompt_attend: 4-d tensors");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+              mask.scalar_type() == at::kFloat, "prompt_attend: q, k, v bfloat16, mask float32");
+  int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k.size(2), T = mask.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes() && D % 64 == 0 &&
+              k.stride(3) == 1 && v.stride(3) == 1 && mask.size(0) == B && mask.size(3) == S && R % T == 0,
+              "prompt_attend: shapes");
+  auto qc = q.contiguous();
+  auto mc = mask.contiguous();
+  auto out = at::empty({B, H, R, D}, q.options().dtype(at::kFloat));
+  int64_t Sp = (S + 31) / 32 * 32;  // a row of scores, whole blocks of 32 keys
+  int64_t kblock = (S + 15) / 16 * 16 * D, vblock = (S + 1) / 2 * 2 * D;
+  std::vector<uint16_t> kp(B * H * kblock), vp(B * H * vblock);
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t b = i / H, h = i % H;
+      pack_keys(k.data_ptr<at::BFloat16>() + b * k.stride(0) + h * k.stride(1), k.stride(2), S, D, kp.data() + i * kblock);
+      pack_values(v.data_ptr<at::BFloat16>() + b * v.stride(0) + h * v.stride(1), v.stride(2), S, D, vp.data() + i * vblock);
+    }
+  });
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
+  const float* mp = mc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t row_blocks = (R + PA_ROWS - 1) / PA_ROWS;
+  const float sc_scale = static_cast<float>(scale);
+  at::parallel_for(0, B * H * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> sc(PA_ROWS * Sp);
+    std::vector<uint16_t> pb(PA_ROWS * Sp);
+    for (int64_t task = t0; task < t1; ++task) {
+      int64_t bh = task / row_blocks, r0 = (task % row_blocks) * PA_ROWS, b = bh / H;
+      int64_t n = std::min<int64_t>(PA_ROWS, R - r0);
+      int64_t Sr = 0;  // the keys these rows see end before Sr: a causal chunk's later keys are skipped
+      for (int64_t r = 0; r < n; ++r) {
+        const float* m = mp + (b * T + (r0 + r) % T) * S;
+        int64_t j = S;
+        while (j > Sr && m[j - 1] == -std::numeric_limits<float>::infinity()) --j;
+        Sr = std::max(Sr, j);
+      }
+      Sr = std::max<int64_t>(Sr, 1);
+      const int64_t Srp = (Sr + 31) / 32 * 32;
+      pa_scores(qp + (bh * R + r0) * D, n, kp.data() + bh * kblock, Sr, D, sc.data(), Sp);
+      for (int64_t r = 0; r < n; ++r) {  // softmax of scale * scores + mask, float32
+        float* s = sc.data() + r * Sp;
+        const float* m = mp + (b * T + (r0 + r) % T) * S;
+        const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), vscale = _mm512_set1_ps(sc_scale);
+        __m512 vmax = ninf;
+        for (int64_t j = 0; j < Srp; j += 16) {  // past S: -inf
+          __mmask16 in = j + 16 <= Sr ? 0xffff : j < Sr ? static_cast<__mmask16>((1u << (Sr - j)) - 1) : 0;
+          __m512 x = _mm512_mask_blend_ps(in, ninf, _mm512_fmadd_ps(_mm512_loadu_ps(s + j), vscale, _mm512_maskz_loadu_ps(in, m + j)));
+          _mm512_storeu_ps(s + j, x);
+          vmax = _mm512_max_ps(vmax, x);
+        }
+        float mx = _mm512_reduce_max_ps(vmax);
+        if (mx == -std::numeric_limits<float>::infinity()) {  // a row that sees no key: weights 0
+          std::memset(pb.data() + r * Sp, 0, Srp * 2);
+          continue;
+        }
+        __m256 vmx = _mm256_set1_ps(mx), total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < Srp; j += 8) {
+          __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+          _mm256_storeu_ps(s + j, e);
+          total = _mm256_add_ps(total, e);
+        }
+        float tot[8]; _mm256_storeu_ps(tot, total);
+        float sum = 0; for (float x : tot) sum += x;
+        __m512 inv = _mm512_set1_ps(1.f / sum);
+        uint16_t* p = pb.data() + r * Sp;
+        for (int64_t j = 0; j < Srp; j += 32) {  // rounded to bfloat16, nearest even
+          __m512bh h = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + j + 16), inv), _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+          _mm512_storeu_si512(p + j, (__m512i)h);
+        }
+      }
+      float* o = op + (bh * R + r0) * D;
+      for (int64_t d0 = 0; d0 < D; d0 += 64) pa_values<4>(pb.data(), n, Sp, vp.data() + bh * vblock, Sr, D, d0, o);
+    }
+  });
+  return out;
+}
+#else
+at::Tensor prompt_attend(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double) {
+  TORCH_CHECK(false, "prompt_attend: built without AVX-512 BF16");
+}
+#endif
+
 // ---------------------------------------------------------------- the machine's read bandwidth
 // The sum of a float32 tensor, read as `streams` interleaved sequential streams per thread, each
 // 64-byte line with two independent adds: no reduction chain in the way, so that
@@ -1027,6 +1194,7 @@ TORCH_LIBRARY(minillm, m) {
   m.def("q4_linear(Tensor x, Tensor w, Tensor scales, Tensor zeros, int groupsize) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap, Tensor? rows=None) -> Tensor");
   m.def("stream_sum(Tensor t, int streams) -> float");
+  m.def("prompt_attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("q8_dequantize(Tensor w, Tensor scale, int K, bool bf16) -> Tensor");
   m.def("q4_dequantize(Tensor w, Tensor scales, Tensor zeros, int groupsize, int K, bool bf16) -> Tensor");
 }
@@ -1036,6 +1204,7 @@ TORCH_LIBRARY_IMPL(minillm, CPU, m) {
   m.impl("q4_linear", &q4_linear);
   m.impl("attend", &attend);
   m.impl("stream_sum", &stream_sum);
+  m.impl("prompt_attend", &prompt_attend);
   m.impl("q8_dequantize", &q8_dequantize);
   m.impl("q4_dequantize", &q4_dequantize);
 }

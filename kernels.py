@@ -7,7 +7,8 @@
   prompts in float32 on a CPU without bf16 instructions.
 - `CpuAttention` (for model.Attention): a few queries under a mask (decode, a speculative
   verify) through `attend`, or spelled out for inductor to fuse when the kernels are not built;
-  a long prompt in chunks of queries, each two oneDNN GEMMs (`chunk_attention`).
+  a long prompt in chunks of queries, each through `prompt_attend` (bfloat16, AVX-512 BF16) or
+  two oneDNN GEMMs (`chunk_attention`).
 
 The hand-written kernels, in kernels.cpp:
 - `small_linear`: float32 or bfloat16 weights times 2 to 128 tokens. BLAS's small-M GEMM is
@@ -23,6 +24,8 @@ The hand-written kernels, in kernels.cpp:
   generates is compute-bound.
 - `attend`: attention for a few query rows per KV head over the keys each row's mask allows,
   where inductor's code and CPU SDPA read the whole preallocated cache.
+- `prompt_attend`: a bfloat16 prompt's attention, a chunk of queries at a time, with AVX-512
+  BF16's bfloat16 dot products into float32 scores.
 - `stream_sum`: a tensor's sum as plain sequential reads, the bandwidth reference of
   scripts/bench.py.
 
@@ -87,6 +90,11 @@ def has_vnni() -> bool:
     return {"avx512_vnni", "avx512vl", "avx512bw", "avx512f"} <= (cpu_flags() or set())
 
 
+def has_bf16_dot() -> bool:
+    """Whether the AVX-512 build also gets AVX-512 BF16's vdpbf16ps (`prompt_attend`)."""
+    return "avx512_bf16" in (cpu_flags() or set())
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512-BF16 or AMX); True when unknown."""
     flags = cpu_flags()
@@ -98,10 +106,13 @@ CPU_HAS_BF16 = cpu_has_bf16()  # read once: the compiled graph sees a constant
 # float32 BLAS, runs at half of that on AMD's AVX-512 cores
 ONEDNN = torch.backends.mkldnn.is_available() and "avx2" in (cpu_flags() or set())
 AVX512 = has_vnni()  # the build with AVX-512, whose one-token float product beats inductor's
+PROMPT_ATTEND = AVX512 and has_bf16_dot()  # the build with `prompt_attend`
 
 
 def build_flags(vnni: bool) -> list:
     isa = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if vnni else []
+    if vnni and has_bf16_dot():
+        isa.append("-mavx512bf16")
     return ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", *isa]
 
 
@@ -288,6 +299,16 @@ def q4_dequantize(w: Tensor, scales: Tensor, zeros: Tensor, groupsize: int, in_f
     return torch.ops.minillm.q4_dequantize(w, scales, zeros, groupsize, in_features, dtype == torch.bfloat16)
 
 
+def prompt_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """softmax(scale * q k^T + mask) v for a chunk of a bfloat16 prompt's queries: q (B, n_heads,
+    T, D), k and v (B, n_kv_heads, S, D) bfloat16 with D a multiple of 64, mask (B, 1, T, S).
+    Scores and softmax in float32, the probabilities rounded to bfloat16 for their product with
+    v (as SDPA does). Returns (B, n_heads, T, D) float32."""
+    B, n_heads, T, D = q.shape
+    q_groups = q.reshape(B, k.shape[1], -1, D)  # (B, n_kv_heads, group * T, D): row g * T + t is query t
+    return torch.ops.minillm.prompt_attend(q_groups, k, v, mask.float(), scale).view(B, n_heads, T, D)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float = 0.0,
            rows: Optional[Tensor] = None) -> Tensor:
     """Attention of a few query rows per KV head over the keys their additive mask allows:
@@ -383,17 +404,22 @@ class CpuAttention(Attention):
         """A prompt's masked attention, PROMPT_QUERY_CHUNK queries at a time over the keys from the
         first to the last one any of them may see: CPU SDPA works in blocks of 512 keys and would
         multiply every query by every key of a causal prompt shorter than that, half of them
-        masked away (and, behind a ring cache, by its window of slots not yet written). With
-        oneDNN, each chunk is two of its float32 GEMMs (`chunk_attention`)."""
+        masked away (and, behind a ring cache, by its window of slots not yet written). A bfloat16
+        chunk goes to `prompt_attend` where the CPU has AVX-512 BF16; otherwise, with oneDNN,
+        each chunk is two of its float32 GEMMs (`chunk_attention`)."""
         visible = (mask > float("-inf")).any(0).any(0)  # (T, S) whether any row's query t sees key s
+        scale = self.scale or q.shape[-1] ** -0.5
+        bf16 = (PROMPT_ATTEND and q.dtype == k.dtype == v.dtype == torch.bfloat16 and not self.softcap
+                and q.shape[-1] % 64 == 0 and available())
         out = []
         for start in range(0, q.shape[2], PROMPT_QUERY_CHUNK):
             stop = min(q.shape[2], start + PROMPT_QUERY_CHUNK)
             seen = visible[start:stop].any(0).nonzero()  # not empty: a query always sees itself
             first, last = int(seen.min()), int(seen.max()) + 1  # a ring cache's empty slots lead
             args = (q[:, :, start:stop], k[:, :, first:last], v[:, :, first:last], mask[:, :, start:stop, first:last])
-            if ONEDNN:
-                scale = self.scale or q.shape[-1] ** -0.5
+            if bf16:
+                out.append(prompt_attend(*args, scale).to(q.dtype))
+            elif ONEDNN:
                 out.append(chunk_attention(*args, scale, self.softcap or 0.0).to(q.dtype))
             else:
                 out.append(super().attend(*args))  # (B, n_heads, chunk, head_dim)

@@ -409,6 +409,73 @@ def test_long_prompt_attention_in_chunks_matches_the_reference(variant, monkeypa
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
+def needs_prompt_attend():
+    if not (kernels.PROMPT_ATTEND and kernels.available()):
+        pytest.skip("no AVX-512 BF16 on this CPU: a bfloat16 prompt's attention takes chunk_attention, "
+                    "tested by test_long_prompt_attention_in_chunks_matches_the_reference")
+
+
+@pytest.mark.parametrize("B,n_kv,group,T,S,D", [(1, 2, 7, 128, 493, 64), (2, 1, 4, 37, 301, 256),
+                                               (1, 2, 3, 128, 200, 128), (1, 3, 1, 5, 17, 64)])
+def test_prompt_attend_matches_float64_attention(B, n_kv, group, T, S, D):
+    # bfloat16 q, k, v; queries at the last T positions of S keys (a chunk of a causal prompt),
+    # row 0 of batch row 0 behind a ring cache's leading empty slots, and a query that sees no key
+    needs_prompt_attend()
+    torch.manual_seed(0)
+    q = torch.randn(B, n_kv * group, T, D).bfloat16()
+    k, v = torch.randn(B, n_kv, S, D).bfloat16(), torch.randn(B, n_kv, S, D).bfloat16()
+    pos = torch.arange(S - T, S)
+    mask = torch.where(torch.arange(S) <= pos[:, None], 0.0, float("-inf")).expand(B, 1, T, S).clone()
+    mask[0, 0, 0, :3] = float("-inf")
+    mask[-1, 0, T // 2] = float("-inf")
+    scale = D ** -0.5
+    got = kernels.prompt_attend(q, k, v, mask, scale)
+    want = attention_float64(q, k, v, mask, scale)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got[-1, :, T // 2] == 0).all()
+    # the probabilities rounded to bfloat16 (2^-9 relative) for their product with v
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
+
+
+def attention_float64(q, k, v, mask, scale):
+    """softmax(scale * q k^T + mask) v in float64: q (B, n_heads, T, D), k and v (B, n_kv_heads, S, D),
+    mask (B, 1, T, S); a query that sees no key gets 0."""
+    B, n_heads, T, D = q.shape
+    n_kv = k.shape[1]
+    scores = q.double().view(B, n_kv, -1, T, D) @ k.double().unsqueeze(2).transpose(-1, -2) * scale
+    probs = torch.softmax(scores + mask.double().unsqueeze(2), dim=-1).nan_to_num(0.0)
+    return (probs @ v.double().unsqueeze(2)).view(B, n_heads, T, D)
+
+
+def test_bfloat16_long_prompt_attention_through_prompt_attend(monkeypatch):
+    # a padded bfloat16 batch of 300-token prompts (64-wide heads): each chunk of queries goes
+    # through prompt_attend, which matches float64 attention on the chunk it is given, and the
+    # logits agree with a float32 model's as often as with the oneDNN float32 chunks
+    needs_prompt_attend()
+    ref = random_model(dim=256, n_heads=4, n_kv_heads=2, max_position_embeddings=512)
+    fast = kernels.install(copy.deepcopy(ref).to(torch.bfloat16))
+    errors, real = [], kernels.prompt_attend
+
+    def checked(q, k, v, mask, scale):
+        y = real(q, k, v, mask, scale)
+        # relative to the largest value: the probabilities are rounded to bfloat16 (2^-9) for p v
+        errors.append((y.double() - attention_float64(q, k, v, mask, scale)).abs().max().item() / v.abs().max().item())
+        return y
+
+    monkeypatch.setattr(kernels, "prompt_attend", checked)
+    tokens, pad = torch.randint(0, 256, (2, 300)), torch.tensor([0, 37])
+    with torch.inference_mode():
+        for m in (ref, fast):
+            m.setup_caches(2, 320)
+        want = ref(tokens, torch.arange(300), pad)
+        got = fast(tokens, torch.arange(300), pad)
+        monkeypatch.setattr(kernels, "PROMPT_ATTEND", False)
+        other = fast(tokens, torch.arange(300), pad)
+    assert len(errors) == 2 * 3 and max(errors) < 4e-3, errors  # 2 layers, 3 chunks of queries
+    agree, other_agree = [(x.argmax(-1) == want.argmax(-1)).float().mean().item() for x in (got, other)]
+    assert agree > other_agree - 0.02, (agree, other_agree)
+
+
 def test_bench_kernels_script_help_and_missing_checkpoint(tmp_path):
     r = run_script("-m", "scripts.bench_kernels", "--help")
     assert r.returncode == 0 and "--what" in r.stdout
