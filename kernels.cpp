@@ -1,5 +1,5 @@
 // Hand-written CPU kernels for kernels.py, registered as the operators minillm::small_linear,
-// q8_linear, q4_linear, q8_dequantize, q4_dequantize, attend, prompt_attend and stream_sum, which compiled graphs
+// q8_linear, q4_linear, q8_dequantize, q4_dequantize, attend, prompt_attend, gated and stream_sum, which compiled graphs
 // call like aten ops. AVX2 and FMA; with AVX-512 and VNNI (kernels.py builds so where the CPU has
 // them) the integer loops work on 512-bit tiles of rows x tokens with vpdpbusd, and the float
 // products on 16-lane loops (one token) and tiles (more).
@@ -986,6 +986,68 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out;
 }
 
+// ---------------------------------------------------------------- a prompt's gated activation
+// act(gate) * up for an eager prompt's feed-forward in one pass: computed in float32 and rounded
+// once to the dtype, as inductor's fused code does in the compiled step, where eager torch makes
+// a pass for the activation and one for the product, rounding after each. kind 0: SiLU; 1: GELU
+// with tanh (gelu_pytorch_tanh). Both from e = exp(-|.|), which exp_neg takes.
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(at::BFloat16* p, __m256 x) {  // to nearest even, NaN to the quiet NaN (bf16_bits)
+  __m256i u = _mm256_castps_si256(x);
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(
+      _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+inline __m256 gated8(__m256 g, __m256 u, int64_t kind) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  if (kind == 0) {  // g * sigmoid(g): 1 / (1 + e) for g >= 0, e / (1 + e) below
+    __m256 e = exp_neg(_mm256_or_ps(g, sign));  // exp(-|g|)
+    __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), g);  // g's sign bit picks e / (1 + e)
+    return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
+  }
+  // 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3); tanh(|y|) = (1 - e) / (1 + e), e = exp(-2|y|)
+  __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                           _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+  __m256 e = exp_neg(_mm256_mul_ps(_mm256_set1_ps(2.f), _mm256_or_ps(y, sign)));
+  __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  t = _mm256_or_ps(t, _mm256_and_ps(y, sign));  // tanh(y) = sign(y) tanh(|y|)
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t)), u);
+}
+
+template <typename T>
+void gated_range(const T* g, const T* u, T* out, int64_t b, int64_t e, int64_t kind) {
+  int64_t i = b;
+  for (; i + 8 <= e; i += 8) store8(out + i, gated8(load8(g + i), load8(u + i), kind));
+  if (i < e) {  // the last few through a padded block
+    float gb[8] = {0}, ub[8] = {0}, ob[8];
+    for (int64_t j = i; j < e; ++j) { gb[j - i] = static_cast<float>(g[j]); ub[j - i] = static_cast<float>(u[j]); }
+    _mm256_storeu_ps(ob, gated8(_mm256_loadu_ps(gb), _mm256_loadu_ps(ub), kind));
+    for (int64_t j = i; j < e; ++j) out[j] = static_cast<T>(ob[j - i]);
+  }
+}
+
+// gate and up of one shape, float32 or bfloat16 (contiguous copies taken); returns act(gate) * up
+at::Tensor gated(const at::Tensor& gate, const at::Tensor& up, int64_t kind) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() &&
+              (gate.scalar_type() == at::kFloat || gate.scalar_type() == at::kBFloat16) && (kind == 0 || kind == 1),
+              "gated: gate and up of one shape and dtype, float32 or bfloat16; kind 0 (silu) or 1 (gelu_tanh)");
+  auto gc = gate.contiguous(), uc = up.contiguous();
+  auto out = at::empty_like(gc);
+  int64_t n = gc.numel();
+  at::parallel_for(0, (n + 7) / 8, 2048, [&](int64_t b, int64_t e) {
+    int64_t lo = b * 8, hi = std::min(n, e * 8);
+    if (gc.scalar_type() == at::kFloat)
+      gated_range(gc.data_ptr<float>(), uc.data_ptr<float>(), out.data_ptr<float>(), lo, hi, kind);
+    else
+      gated_range(gc.data_ptr<at::BFloat16>(), uc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), lo, hi, kind);
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- a bfloat16 prompt's attention
 // A chunk of a long bfloat16 prompt's queries (CPUs with AVX-512 BF16): q k^T with vdpbf16ps
 // into float32 scores (exact products of the bfloat16 values), softmax in float32, and the
@@ -995,10 +1057,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 #ifdef __AVX512BF16__
 constexpr int PA_ROWS = 4;
 
-// (S, D) rows -> pairs along D for 16 keys at a time: out[(kb * D/2 + dp) * 32 + 2 * j + e] = k[kb*16 + j][2 dp + e]
+// (S, D) rows -> pairs along D for 16 keys at a time, keys zero past S up to a multiple of 32:
+// out[(kb * D/2 + dp) * 32 + 2 * j + e] = k[kb*16 + j][2 dp + e]
 void pack_keys(const at::BFloat16* k, int64_t ks, int64_t S, int64_t D, uint16_t* out) {
-  int64_t blocks = (S + 15) / 16;
-  std::memset(out, 0, blocks * 16 * D * 2);
+  std::memset(out, 0, (S + 31) / 32 * 32 * D * 2);
   for (int64_t s = 0; s < S; ++s) {
     const uint16_t* row = reinterpret_cast<const uint16_t*>(k + s * ks);
     uint16_t* o = out + (s / 16) * 16 * D + 2 * (s % 16);
@@ -1017,53 +1079,71 @@ void pack_values(const at::BFloat16* v, int64_t vs, int64_t S, int64_t D, uint16
   }
 }
 
-inline __m512 bcast_pair(const uint16_t* p) {  // two bfloat16 as one 32-bit lane, everywhere
-  uint32_t x; std::memcpy(&x, p, 4);
-  return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(x)));
+inline __m512bh bcast_pair(const uint16_t* p) {  // two bfloat16 as one 32-bit lane, everywhere
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(x));
 }
 
-// rows q[0..n) (n <= PA_ROWS) of one KV head: scores over S keys into sc (n x Sp floats)
-void pa_scores(const uint16_t* q, int64_t n, const uint16_t* kp, int64_t S, int64_t D, float* sc, int64_t Sp) {
-  int64_t blocks = (S + 15) / 16;
-  for (int64_t kb = 0; kb < blocks; kb += 2) {
-    bool two = kb + 1 < blocks;
-    __m512 acc[PA_ROWS][2];
-    for (int r = 0; r < PA_ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const uint16_t* k0 = kp + kb * 16 * D;
-    const uint16_t* k1 = k0 + 16 * D;
+// N query rows (N fixed, so the accumulators stay in registers) of one KV head: scores over the
+// keys below S into sc (rows Sp floats apart), 32 keys at a time
+template <int N>
+void pa_scores(const uint16_t* q, const uint16_t* kp, int64_t S, int64_t D, float* sc, int64_t Sp) {
+  for (int64_t k0 = 0; k0 < S; k0 += 32) {
+    __m512 acc[N][2];
+    for (int r = 0; r < N; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint16_t* ka = kp + k0 * D;
+    const uint16_t* kb = ka + 16 * D;
     for (int64_t dp = 0; dp < D / 2; ++dp) {
-      __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + dp * 32);
-      __m512bh b = two ? (__m512bh)_mm512_loadu_si512(k1 + dp * 32) : a;
-      for (int r = 0; r < PA_ROWS; ++r) {
-        if (r >= n) break;
-        __m512bh qq = (__m512bh)bcast_pair(q + r * D + 2 * dp);
+      __m512bh a = (__m512bh)_mm512_loadu_si512(ka + dp * 32), b = (__m512bh)_mm512_loadu_si512(kb + dp * 32);
+      for (int r = 0; r < N; ++r) {
+        __m512bh qq = bcast_pair(q + r * D + 2 * dp);
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qq, a);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qq, b);
       }
     }
-    for (int r = 0; r < n; ++r) {
-      _mm512_storeu_ps(sc + r * Sp + kb * 16, acc[r][0]);
-      if (two) _mm512_storeu_ps(sc + r * Sp + kb * 16 + 16, acc[r][1]);
+    for (int r = 0; r < N; ++r) {
+      _mm512_storeu_ps(sc + r * Sp + k0, acc[r][0]);
+      _mm512_storeu_ps(sc + r * Sp + k0 + 16, acc[r][1]);
     }
   }
 }
 
-// p v for n rows of bfloat16 probabilities pb (n x Sp, zero past S): out rows of D floats
-template <int C>  // C 16-lane column groups of D at a time
-void pa_values(const uint16_t* pb, int64_t n, int64_t Sp, const uint16_t* vp, int64_t S, int64_t D, int64_t d0, float* out) {
-  __m512 acc[PA_ROWS][C];
-  for (int r = 0; r < PA_ROWS; ++r) for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  int64_t pairs = (S + 1) / 2;
-  for (int64_t sp = 0; sp < pairs; ++sp) {
-    __m512bh vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + (sp * D + d0 + 16 * c) * 2);
-    for (int r = 0; r < PA_ROWS; ++r) {
-      if (r >= n) break;
-      __m512bh pp = (__m512bh)bcast_pair(pb + r * Sp + 2 * sp);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, vv[c]);
+// p v for N rows of bfloat16 probabilities pb (rows Sp apart, zero past S): columns d0 to d0 + 64
+// of the output rows (D floats apart)
+template <int N>
+void pa_values(const uint16_t* pb, int64_t Sp, const uint16_t* vp, int64_t S, int64_t D, int64_t d0, float* out) {
+  __m512 acc[N][4];
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t sp = 0; sp < (S + 1) / 2; ++sp) {
+    __m512bh vv[4];
+    for (int c = 0; c < 4; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + (sp * D + d0 + 16 * c) * 2);
+    for (int r = 0; r < N; ++r) {
+      __m512bh pp = bcast_pair(pb + r * Sp + 2 * sp);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pp, vv[c]);
     }
   }
-  for (int r = 0; r < n; ++r) for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * D + d0 + 16 * c, acc[r][c]);
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * D + d0 + 16 * c, acc[r][c]);
+}
+
+template <int N>
+void pa_block(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, int64_t S, int64_t D, float* sc,
+              const uint16_t* pb, int64_t Sp, float* out, bool scores) {
+  if (scores) return pa_scores<N>(q, kp, S, D, sc, Sp);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) pa_values<N>(pb, Sp, vp, S, D, d0, out);
+}
+
+// the n (<= PA_ROWS) rows' scores, or their values
+inline void pa_rows(int64_t n, const uint16_t* q, const uint16_t* kp, const uint16_t* vp, int64_t S, int64_t D,
+                    float* sc, const uint16_t* pb, int64_t Sp, float* out, bool scores) {
+  switch (n) {
+    case 4: return pa_block<4>(q, kp, vp, S, D, sc, pb, Sp, out, scores);
+    case 3: return pa_block<3>(q, kp, vp, S, D, sc, pb, Sp, out, scores);
+    case 2: return pa_block<2>(q, kp, vp, S, D, sc, pb, Sp, out, scores);
+    default: return pa_block<1>(q, kp, vp, S, D, sc, pb, Sp, out, scores);
+  }
 }
 
 // q (B, H, R, D) bfloat16 with R = group * T (row g * T + t is query t); k, v (B, H, S, D)
@@ -1080,7 +1160,7 @@ at::Tensor prompt_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
   auto mc = mask.contiguous();
   auto out = at::empty({B, H, R, D}, q.options().dtype(at::kFloat));
   int64_t Sp = (S + 31) / 32 * 32;  // a row of scores, whole blocks of 32 keys
-  int64_t kblock = (S + 15) / 16 * 16 * D, vblock = (S + 1) / 2 * 2 * D;
+  int64_t kblock = Sp * D, vblock = (S + 1) / 2 * 2 * D;
   std::vector<uint16_t> kp(B * H * kblock), vp(B * H * vblock);
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -1109,7 +1189,8 @@ at::Tensor prompt_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
       }
       Sr = std::max<int64_t>(Sr, 1);
       const int64_t Srp = (Sr + 31) / 32 * 32;
-      pa_scores(qp + (bh * R + r0) * D, n, kp.data() + bh * kblock, Sr, D, sc.data(), Sp);
+      const uint16_t *kb = kp.data() + bh * kblock, *vb = vp.data() + bh * vblock;
+      pa_rows(n, qp + (bh * R + r0) * D, kb, vb, Sr, D, sc.data(), pb.data(), Sp, nullptr, true);
       for (int64_t r = 0; r < n; ++r) {  // softmax of scale * scores + mask, float32
         float* s = sc.data() + r * Sp;
         const float* m = mp + (b * T + (r0 + r) % T) * S;
@@ -1142,7 +1223,7 @@ at::Tensor prompt_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
         }
       }
       float* o = op + (bh * R + r0) * D;
-      for (int64_t d0 = 0; d0 < D; d0 += 64) pa_values<4>(pb.data(), n, Sp, vp.data() + bh * vblock, Sr, D, d0, o);
+      pa_rows(n, nullptr, kb, vb, Sr, D, nullptr, pb.data(), Sp, o, false);
     }
   });
   return out;
@@ -1195,6 +1276,7 @@ TORCH_LIBRARY(minillm, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap, Tensor? rows=None) -> Tensor");
   m.def("stream_sum(Tensor t, int streams) -> float");
   m.def("prompt_attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def("gated(Tensor gate, Tensor up, int kind) -> Tensor");
   m.def("q8_dequantize(Tensor w, Tensor scale, int K, bool bf16) -> Tensor");
   m.def("q4_dequantize(Tensor w, Tensor scales, Tensor zeros, int groupsize, int K, bool bf16) -> Tensor");
 }
@@ -1205,6 +1287,7 @@ TORCH_LIBRARY_IMPL(minillm, CPU, m) {
   m.impl("attend", &attend);
   m.impl("stream_sum", &stream_sum);
   m.impl("prompt_attend", &prompt_attend);
+  m.impl("gated", &gated);
   m.impl("q8_dequantize", &q8_dequantize);
   m.impl("q4_dequantize", &q4_dequantize);
 }
