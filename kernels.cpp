@@ -993,6 +993,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // with tanh (gelu_pytorch_tanh). Both from e = exp(-|.|), which exp_neg takes.
 inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 inline void store8(at::BFloat16* p, __m256 x) {  // to nearest even, NaN to the quiet NaN (bf16_bits)
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(x));
+  return;
+#endif
   __m256i u = _mm256_castps_si256(x);
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(
       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF))), 16);

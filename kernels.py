@@ -26,6 +26,7 @@ The hand-written kernels, in kernels.cpp:
   where inductor's code and CPU SDPA read the whole preallocated cache.
 - `prompt_attend`: a bfloat16 prompt's attention, a chunk of queries at a time, with AVX-512
   BF16's bfloat16 dot products into float32 scores.
+- `gated`: act(gate) * up for an eager prompt's feed-forward in one pass (`CpuFeedForward`).
 - `stream_sum`: a tensor's sum as plain sequential reads, the bandwidth reference of
   scripts/bench.py.
 
@@ -50,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Attention
+from model import ACTIVATIONS, Attention, FeedForward
 
 MAX_TOKENS = 16  # queries per attention call; a batch step of a quantized model fuses this many rows
 # tokens per small_linear call; from onednn_min_tokens up, oneDNN's GEMM is faster (docs/benchmarks.md)
@@ -309,6 +310,15 @@ def prompt_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -
     return torch.ops.minillm.prompt_attend(q_groups, k, v, mask.float(), scale).view(B, n_heads, T, D)
 
 
+GATED_KINDS = {ACTIVATIONS["silu"]: 0, ACTIVATIONS["gelu_tanh"]: 1}  # kernels.cpp's `gated` kinds
+
+
+def gated(gate: Tensor, up: Tensor, act) -> Tensor:
+    """act(gate) * up in one pass, computed in float32 and rounded once (as the compiled step's
+    fused code does): gate and up of one shape, float32 or bfloat16; act one of GATED_KINDS."""
+    return torch.ops.minillm.gated(gate, up, GATED_KINDS[act])
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float = 0.0,
            rows: Optional[Tensor] = None) -> Tensor:
     """Attention of a few query rows per KV head over the keys their additive mask allows:
@@ -426,6 +436,20 @@ class CpuAttention(Attention):
         return torch.cat(out, dim=2)
 
 
+class CpuFeedForward(FeedForward):
+    """model.FeedForward whose eager forward (a prompt, a chunk) takes the gated activation in one
+    pass (`gated`) where eager torch makes two, rounding after each; a compiled step's fused code
+    already does so."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling() or self.act not in GATED_KINDS or x.device.type != "cpu" or not available():
+            return super().forward(x)
+        gate, up = self.w1(x), self.w3(x)
+        if gate.dtype != up.dtype or gate.dtype not in (torch.float32, torch.bfloat16):
+            return self.w2(self.act(gate) * up)
+        return self.w2(gated(gate, up, self.act))
+
+
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float = 0.0) -> Tensor:
     """softmax(scale * q k^T (soft-capped when softcap > 0) + mask) v in float32, each KV head's
     query group at once through oneDNN's GEMM: q (B, n_heads, T, D), k and v (B, n_kv_heads, S, D),
@@ -449,8 +473,9 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
 
 def install(model: nn.Module) -> nn.Module:
     """Swap the CPU fast paths into a built model, in place, after its weights are loaded: every
-    exact nn.Linear becomes a CpuLinear and every model.Attention a CpuAttention, keeping their
-    parameters, buffers and hooks (tied and tensor-parallel weights stay as they are).
+    exact nn.Linear becomes a CpuLinear, every model.Attention a CpuAttention and every
+    model.FeedForward a CpuFeedForward, keeping their parameters, buffers and hooks (tied and
+    tensor-parallel weights stay as they are).
     quantize.py's packed layers are not nn.Linear and stay. A no-op for a model whose weights
     are not on the CPU, and when called again. Returns the model."""
     if any(p.device.type != "cpu" for p in model.parameters()):
@@ -460,4 +485,6 @@ def install(model: nn.Module) -> nn.Module:
             module.__class__ = CpuLinear
         elif type(module) is Attention:
             module.__class__ = CpuAttention
+        elif type(module) is FeedForward:
+            module.__class__ = CpuFeedForward
     return model

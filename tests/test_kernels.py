@@ -409,6 +409,34 @@ def test_long_prompt_attention_in_chunks_matches_the_reference(variant, monkeypa
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_activation_matches_float64(act, dtype, monkeypatch):
+    # act(gate) * up in one pass, rounded once: within a rounding of the float64 value (a length
+    # that is not a multiple of 8 takes the padded last block); an eager prompt's feed-forward
+    # takes it, and gives the reference layer's output
+    if not kernels.available():
+        pytest.skip("kernels not built here: the feed-forward takes torch's activation")
+    torch.manual_seed(0)
+    gate, up = (torch.randn(37, 203) * 4).to(dtype), torch.randn(37, 203).to(dtype)
+    gate[0, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])
+    fn = reference.ACTIVATIONS[act]
+    got, want = kernels.gated(gate, up, fn), (fn(gate.double()) * up.double())
+    assert got.dtype == dtype and got.shape == gate.shape
+    # a rounding in bfloat16; in float32 a few ulp (exp_neg's 2 and the products'); below e^-87 exp_neg gives 0
+    rtol = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-6)
+    layer = reference.FeedForward(reference.ModelArgs(dim=64, intermediate_size=96, n_layers=1, n_heads=4,
+                                                      vocab_size=8, hidden_act=act))
+    fast = kernels.install(copy.deepcopy(layer))
+    calls, real = [], kernels.gated
+    monkeypatch.setattr(kernels, "gated", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, 50, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), layer(x), atol=1e-5, rtol=1e-5)
+    assert type(fast) is kernels.CpuFeedForward and calls == [1]
+
+
 def needs_prompt_attend():
     if not (kernels.PROMPT_ATTEND and kernels.available()):
         pytest.skip("no AVX-512 BF16 on this CPU: a bfloat16 prompt's attention takes chunk_attention, "
