@@ -1,5 +1,6 @@
 // Hand-written CPU kernels for kernels.py, registered as the operators minillm::small_linear,
-// q8_linear, q4_linear, q8_dequantize, q4_dequantize, attend, prompt_attend, gated and stream_sum, which compiled graphs
+// q8_linear, q4_linear, q8_dequantize, q4_dequantize, attend, prompt_attend, gated, rms_norm and stream_sum,
+// which compiled graphs
 // call like aten ops. AVX2 and FMA; with AVX-512 and VNNI (kernels.py builds so where the CPU has
 // them) the integer loops work on 512-bit tiles of rows x tokens with vpdpbusd, and the float
 // products on 16-lane loops (one token) and tiles (more).
@@ -1052,6 +1053,55 @@ at::Tensor gated(const at::Tensor& gate, const at::Tensor& up, int64_t kind) {
   return out;
 }
 
+// ---------------------------------------------------------------- a prompt's RMS normalization
+// model.RMSNorm for an eager prompt in two passes over each row (its sum of squares, then the
+// output), where eager torch makes one per operation: x * rsqrt(mean(x^2) + eps) in float32, then
+// with an offset (Gemma) times (offset + w) and rounded once; without, rounded to x's dtype, times
+// w and rounded again, as the reference does. x (rows, D) and w (D) of one dtype, D % 8 == 0.
+template <typename T>
+void rms_rows(const T* x, const T* w, T* out, int64_t b, int64_t e, int64_t D, float eps, float offset) {
+  for (int64_t i = b; i < e; ++i) {
+    const T* xr = x + i * D;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 v = load8(xr + d);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float sum[8];
+    _mm256_storeu_ps(sum, acc);
+    float ss = 0;
+    for (float v : sum) ss += v;
+    const __m256 r = _mm256_set1_ps(1.f / std::sqrt(ss / static_cast<float>(D) + eps));
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 n = _mm256_mul_ps(load8(xr + d), r);
+      if (offset != 0.f) {
+        store8(out + i * D + d, _mm256_mul_ps(n, _mm256_add_ps(_mm256_set1_ps(offset), load8(w + d))));
+      } else {
+        T rounded[8];
+        store8(rounded, n);
+        store8(out + i * D + d, _mm256_mul_ps(load8(rounded), load8(w + d)));
+      }
+    }
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              w.dim() == 1 && x.size(-1) == w.size(0) && w.size(0) % 8 == 0,
+              "rms_norm: x (..., D) and w (D) of one dtype, float32 or bfloat16, D a multiple of 8");
+  auto xc = x.contiguous(), wc = w.contiguous();
+  auto out = at::empty_like(xc);
+  int64_t D = w.size(0), rows = xc.numel() / std::max<int64_t>(D, 1);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t b, int64_t e) {
+    if (xc.scalar_type() == at::kFloat)
+      rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), b, e, D, float(eps), float(offset));
+    else
+      rms_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), b, e, D,
+               float(eps), float(offset));
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- a bfloat16 prompt's attention
 // A chunk of a long bfloat16 prompt's queries (CPUs with AVX-512 BF16): q k^T with vdpbf16ps
 // into float32 scores (exact products of the bfloat16 values), softmax in float32, and the
@@ -1281,6 +1331,7 @@ TORCH_LIBRARY(minillm, m) {
   m.def("stream_sum(Tensor t, int streams) -> float");
   m.def("prompt_attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("gated(Tensor gate, Tensor up, int kind) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("q8_dequantize(Tensor w, Tensor scale, int K, bool bf16) -> Tensor");
   m.def("q4_dequantize(Tensor w, Tensor scales, Tensor zeros, int groupsize, int K, bool bf16) -> Tensor");
 }
@@ -1292,6 +1343,7 @@ TORCH_LIBRARY_IMPL(minillm, CPU, m) {
   m.impl("stream_sum", &stream_sum);
   m.impl("prompt_attend", &prompt_attend);
   m.impl("gated", &gated);
+  m.impl("rms_norm", &rms_norm);
   m.impl("q8_dequantize", &q8_dequantize);
   m.impl("q4_dequantize", &q4_dequantize);
 }

@@ -27,6 +27,7 @@ The hand-written kernels, in kernels.cpp:
 - `prompt_attend`: a bfloat16 prompt's attention, a chunk of queries at a time, with AVX-512
   BF16's bfloat16 dot products into float32 scores.
 - `gated`: act(gate) * up for an eager prompt's feed-forward in one pass (`CpuFeedForward`).
+- `rms_norm`: an eager prompt's RMS normalization in two passes a row (`CpuRMSNorm`).
 - `stream_sum`: a tensor's sum as plain sequential reads, the bandwidth reference of
   scripts/bench.py.
 
@@ -51,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import ACTIVATIONS, Attention, FeedForward
+from model import ACTIVATIONS, Attention, FeedForward, RMSNorm
 
 MAX_TOKENS = 16  # queries per attention call; a batch step of a quantized model fuses this many rows
 # tokens per small_linear call; from onednn_min_tokens up, oneDNN's GEMM is faster (docs/benchmarks.md)
@@ -436,6 +437,17 @@ class CpuAttention(Attention):
         return torch.cat(out, dim=2)
 
 
+class CpuRMSNorm(RMSNorm):
+    """model.RMSNorm whose eager forward takes two passes over each row (`rms_norm`) where eager
+    torch makes one per operation; the same arithmetic, each rounding where the reference's is."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != self.weight.dtype
+                or x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] % 8 or not available()):
+            return super().forward(x)
+        return torch.ops.minillm.rms_norm(x, self.weight, self.eps, float(self.weight_offset))
+
+
 class CpuFeedForward(FeedForward):
     """model.FeedForward whose eager forward (a prompt, a chunk) takes the gated activation in one
     pass (`gated`) where eager torch makes two, rounding after each; a compiled step's fused code
@@ -473,8 +485,8 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float,
 
 def install(model: nn.Module) -> nn.Module:
     """Swap the CPU fast paths into a built model, in place, after its weights are loaded: every
-    exact nn.Linear becomes a CpuLinear, every model.Attention a CpuAttention and every
-    model.FeedForward a CpuFeedForward, keeping their parameters, buffers and hooks (tied and
+    exact nn.Linear becomes a CpuLinear, every model.Attention a CpuAttention, FeedForward a
+    CpuFeedForward and RMSNorm a CpuRMSNorm, keeping their parameters, buffers and hooks (tied and
     tensor-parallel weights stay as they are).
     quantize.py's packed layers are not nn.Linear and stay. A no-op for a model whose weights
     are not on the CPU, and when called again. Returns the model."""
@@ -487,4 +499,6 @@ def install(model: nn.Module) -> nn.Module:
             module.__class__ = CpuAttention
         elif type(module) is FeedForward:
             module.__class__ = CpuFeedForward
+        elif type(module) is RMSNorm:
+            module.__class__ = CpuRMSNorm
     return model

@@ -437,6 +437,31 @@ def test_gated_activation_matches_float64(act, dtype, monkeypatch):
     assert type(fast) is kernels.CpuFeedForward and calls == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_the_reference_layer(offset, dtype):
+    # the same arithmetic as model.RMSNorm, its roundings where the reference's are: in bfloat16 the
+    # same bits but for a rare last-place difference (the sum of squares in another order), in
+    # float32 within that order's rounding; a transposed input (a head's q or k norm) included
+    if not kernels.available():
+        pytest.skip("kernels not built here: the norm is the reference's")
+    torch.manual_seed(0)
+    for x in (torch.randn(3, 50, 64) * 3, torch.randn(1, 50, 4, 32).transpose(1, 2)):
+        norm = reference.RMSNorm(x.shape[-1], 1e-6, offset).to(dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        fast = kernels.install(copy.deepcopy(norm))
+        assert type(fast) is kernels.CpuRMSNorm
+        with torch.inference_mode():
+            want, got = norm(x.to(dtype)), fast(x.to(dtype))
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if dtype == torch.bfloat16:
+            assert (got == want).float().mean() > 0.99
+            torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+        else:
+            torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
+
+
 def needs_prompt_attend():
     if not (kernels.PROMPT_ATTEND and kernels.available()):
         pytest.skip("no AVX-512 BF16 on this CPU: a bfloat16 prompt's attention takes chunk_attention, "
