@@ -438,26 +438,28 @@ class CpuAttention(Attention):
 
 
 class CpuRMSNorm(RMSNorm):
-    """model.RMSNorm whose eager forward takes two passes over each row (`rms_norm`) where eager
-    torch makes one per operation; the same arithmetic, each rounding where the reference's is."""
+    """model.RMSNorm whose eager bfloat16 forward takes two passes over each row (`rms_norm`) where
+    eager torch makes one per operation; the same arithmetic, each rounding where the reference's is."""
 
     def forward(self, x: Tensor) -> Tensor:
+        # bfloat16 only: float32 keeps the reference's own sums (tensor parallelism is checked
+        # against one process to 1e-4 in float32, and a reordered sum moved that past it)
         if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != self.weight.dtype
-                or x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] % 8 or not available()):
+                or x.dtype != torch.bfloat16 or x.shape[-1] % 8 or not available()):
             return super().forward(x)
         return torch.ops.minillm.rms_norm(x, self.weight, self.eps, float(self.weight_offset))
 
 
 class CpuFeedForward(FeedForward):
-    """model.FeedForward whose eager forward (a prompt, a chunk) takes the gated activation in one
-    pass (`gated`) where eager torch makes two, rounding after each; a compiled step's fused code
-    already does so."""
+    """model.FeedForward whose eager bfloat16 forward (a prompt, a chunk) takes the gated activation
+    in one pass (`gated`) where eager torch makes two, rounding after each; a compiled step's fused
+    code already does so."""
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling() or self.act not in GATED_KINDS or x.device.type != "cpu" or not available():
             return super().forward(x)
         gate, up = self.w1(x), self.w3(x)
-        if gate.dtype != up.dtype or gate.dtype not in (torch.float32, torch.bfloat16):
+        if gate.dtype != up.dtype or gate.dtype != torch.bfloat16:  # float32: as CpuRMSNorm
             return self.w2(self.act(gate) * up)
         return self.w2(gated(gate, up, self.act))
 
