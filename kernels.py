@@ -108,7 +108,8 @@ CPU_HAS_BF16 = cpu_has_bf16()  # read once: the compiled graph sees a constant
 # float32 BLAS, runs at half of that on AMD's AVX-512 cores
 ONEDNN = torch.backends.mkldnn.is_available() and "avx2" in (cpu_flags() or set())
 AVX512 = has_vnni()  # the build with AVX-512, whose one-token float product beats inductor's
-PROMPT_ATTEND = AVX512 and has_bf16_dot()  # the build with `prompt_attend`
+BF16_DOT = AVX512 and has_bf16_dot()  # the build with AVX-512 BF16: `prompt_attend`, the bf16 one-token loop
+PROMPT_ATTEND = BF16_DOT  # whether a bf16 prompt's attention takes `prompt_attend` (tests switch it off)
 
 
 def build_flags(vnni: bool) -> list:
@@ -152,7 +153,8 @@ def _build() -> bool:
         return False
 
     for op in ("small_linear", "q8_linear", "q4_linear"):  # the output shape, for tracing
-        torch.library.register_fake(f"minillm::{op}")(lambda x, w, *scales: x.new_empty(x.shape[0], w.shape[0]))
+        torch.library.register_fake(f"minillm::{op}")(
+            lambda x, w, *scales: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
     torch.library.register_fake("minillm::q8_dequantize")(
         lambda w, scale, K, bf16: w.new_empty(w.shape[0], K, dtype=torch.bfloat16 if bf16 else torch.float32))
     torch.library.register_fake("minillm::q4_dequantize")(
@@ -174,7 +176,8 @@ def switched_off():
 
 
 def small_linear(x: Tensor, w: Tensor) -> Tensor:
-    """x (..., K) float32 times w (N, K) float32 or bfloat16, transposed: (..., N) float32."""
+    """x (..., K) float32 times w (N, K) float32 or bfloat16, transposed: (..., N) float32. Where
+    BF16_DOT, x may also be one bfloat16 token times bfloat16 w (AVX-512 BF16's products)."""
     y = torch.ops.minillm.small_linear(x.reshape(-1, x.shape[-1]), w)  # (tokens, N)
     return y.view(*x.shape[:-1], w.shape[0])
 
@@ -371,7 +374,9 @@ class CpuLinear(nn.Linear):
             return dense_linear(x, self.weight, self.bias)
         one_token_loop = tokens == 1 and AVX512 and x.device.type == "cpu"  # BLAS gemv: 17-28 GB/s
         if kernel_ok and (one_token_loop or (compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS)):
-            y = small_linear(x.float(), self.weight).to(x.dtype)  # (..., out_features)
+            # one bfloat16 token times bfloat16 weights: x as it is, for the bf16 dot product loop
+            bf16_row = tokens == 1 and BF16_DOT and x.dtype == self.weight.dtype == torch.bfloat16
+            y = small_linear(x if bf16_row else x.float(), self.weight).to(x.dtype)  # (..., out_features)
             return y if self.bias is None else y + self.bias
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_HAS_BF16 and tokens > 1:
             bias = None if self.bias is None else self.bias.float()

@@ -73,6 +73,27 @@ def test_small_linear_matches_float64_reference(wdtype):
             assert err < 2e-5 * K ** 0.5, (N, K, T, err)
 
 
+def test_bfloat16_token_loop_matches_float64_reference():
+    """One bfloat16 token times bfloat16 weights (a bfloat16 model's decode step) through AVX-512
+    BF16's dot products: float64's value within float32 sums of exact products, as the float32
+    token's loop; K with 128-column blocks, 32-column ones and a masked tail. More tokens, or
+    float32 weights, are refused with a message."""
+    if not (kernels.BF16_DOT and kernels.available()):
+        pytest.skip("the bfloat16 token loop needs AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo)")
+    g = torch.Generator().manual_seed(0)
+    for N, K in [(37, 20), (130, 96), (9, 1541), (5, 117), (300, 4864), (3, 160)]:
+        w = torch.randn(N, K, generator=g).bfloat16()
+        x = torch.randn(1, K, generator=g).bfloat16()
+        got = kernels.small_linear(x, w)
+        assert got.shape == (1, N) and got.dtype == torch.float32
+        err = (got.double() - F.linear(x.double(), w.double())).abs().max().item()
+        assert err < 2e-5 * K ** 0.5, (N, K, err)
+    with pytest.raises(RuntimeError, match="a bfloat16 x must be one token"):
+        kernels.small_linear(torch.ones(2, 64).bfloat16(), torch.ones(8, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="a bfloat16 x must be one token"):
+        kernels.small_linear(torch.ones(1, 64).bfloat16(), torch.ones(8, 64))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_linear_gives_a_token_the_same_bits_whatever_the_token_count(dtype):
     # rows go several at a time and the rest one by one, tokens in blocks that depend on the
@@ -182,6 +203,8 @@ def test_kernels_give_the_same_bits_with_any_thread_count():
              lambda: kernels.q8_linear(x[:1], w8, s8), lambda: kernels.q4_linear(x[:1], q4, s4, z4, 32),
              lambda: kernels.attend(q, k, v, mask, 0.25),
              lambda: kernels.attend(q, k.bfloat16(), v.bfloat16(), mask, 0.25)]
+    if kernels.BF16_DOT:  # a bfloat16 model's decode token
+        calls.append(lambda: kernels.small_linear(x[:1].bfloat16(), w.bfloat16()))
     n = torch.get_num_threads()
     try:
         results = []
@@ -290,7 +313,7 @@ def test_one_token_linear_takes_the_avx512_loop_where_built(monkeypatch, wdtype)
     ref = x.double() @ lin.weight.double().t() + lin.bias.double()
     graphs, calls = [], []
     real = kernels.small_linear
-    monkeypatch.setattr(kernels, "small_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "small_linear", lambda *a: calls.append(a[0].dtype) or real(*a))
 
     with torch.inference_mode():
         eager = lin(x)
@@ -298,6 +321,8 @@ def test_one_token_linear_takes_the_avx512_loop_where_built(monkeypatch, wdtype)
         inductor = torch.compile(lin, fullgraph=True)(x)
     loop = kernels.AVX512 and kernels.available()
     assert any("minillm.small_linear" in g for g in graphs) == loop and (len(calls) == 3) == loop
+    if loop:  # a bfloat16 token as it is where AVX-512 BF16's loop is built, else widened
+        assert set(calls) == {torch.bfloat16 if kernels.BF16_DOT and wdtype == torch.bfloat16 else torch.float32}
     tol = 1e-4 if wdtype == torch.float32 else 0.05  # bfloat16 output: one rounding of ~8 bits
     for got in (eager, y, inductor):
         assert got.shape == (1, 1, 40) and (got.double() - ref).abs().max().item() < tol
