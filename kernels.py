@@ -17,7 +17,8 @@ The hand-written kernels, in kernels.cpp:
   register-blocked micro-kernel: two weight rows times up to six tokens, twelve AVX2
   accumulators in registers, each weight read once per call for every token. One token with
   AVX-512 (the decode step): each thread streams its rows one at a time with four 16-lane
-  accumulators, ~50 GB/s where inductor's multiply-and-sum reads a 4864-wide row at ~30.
+  accumulators, ~50 GB/s where inductor's multiply-and-sum reads a 4864-wide row at ~30; a
+  bfloat16 model's token stays bfloat16 there with AVX-512 BF16 (`vdpbf16ps`, exact products).
 - `q8_linear`, `q4_linear`: quantize.py's int8 and int4 weights times 1 to 16 tokens, decode
   included. As llama.cpp does, the activations are quantized to int8 per 32 columns on the way
   in, so 32 products are two integer instructions; the float unpack-and-multiply that inductor
