@@ -174,23 +174,24 @@ std::vector<float> split_x(const float* x, int64_t K) {
   return xs;
 }
 
-at::Tensor gemv(const float* x, const float* w, int64_t K, int64_t N, const at::TensorOptions& options) {
-  auto y = at::empty({1, N}, options);
+// (1, N) float32: row(n) for every row, each thread a contiguous range of rows front to back
+template <typename Row>
+at::Tensor gemv_rows(int64_t N, const at::TensorOptions& options, const Row& row) {
+  auto y = at::empty({1, N}, options.dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) yp[n] = dot_row(x, w + n * K, K);
+    for (int64_t n = b; n < e; ++n) yp[n] = row(n);
   });
   return y;
 }
 
+at::Tensor gemv(const float* x, const float* w, int64_t K, int64_t N, const at::TensorOptions& options) {
+  return gemv_rows(N, options, [&](int64_t n) { return dot_row(x, w + n * K, K); });
+}
+
 at::Tensor gemv(const float* x, const at::BFloat16* w, int64_t K, int64_t N, const at::TensorOptions& options) {
-  auto y = at::empty({1, N}, options);
-  float* yp = y.data_ptr<float>();
   const std::vector<float> xs = split_x(x, K);
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) yp[n] = dot_row(xs.data(), x, w + n * K, K);
-  });
-  return y;
+  return gemv_rows(N, options, [&](int64_t n) { return dot_row(xs.data(), x, w + n * K, K); });
 }
 
 #ifdef __AVX512BF16__
@@ -218,12 +219,7 @@ inline float dot_row(const at::BFloat16* x, const at::BFloat16* w, int64_t K) {
 }
 
 at::Tensor gemv(const at::BFloat16* x, const at::BFloat16* w, int64_t K, int64_t N, const at::TensorOptions& options) {
-  auto y = at::empty({1, N}, options);
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) yp[n] = dot_row(x, w + n * K, K);
-  });
-  return y;
+  return gemv_rows(N, options, [&](int64_t n) { return dot_row(x, w + n * K, K); });
 }
 #endif
 
@@ -336,8 +332,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w) {
     TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == w.size(1) && wc.scalar_type() == at::kBFloat16,
                 "small_linear: a bfloat16 x must be one token (1, ", w.size(1), ") times bfloat16 weights");
     auto xc = x.contiguous();
-    return gemv(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), wc.size(1), wc.size(0),
-                x.options().dtype(at::kFloat));
+    return gemv(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), wc.size(1), wc.size(0), x.options());
   }
 #endif
   check_x(x, w.size(1));

@@ -82,7 +82,7 @@ def quantized(ckpt: Path, mode="int8", *extra) -> Path:
     out = ckpt.with_name(f"{ckpt.name}-{mode}")
     r = subprocess.run([sys.executable, "quantize.py", "--checkpoint", ckpt, "--mode", mode, "--out", out, *extra],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, job_log(r)
+    assert r.returncode == 0, r.stderr[-3000:]
     return out
 
 
