@@ -82,7 +82,7 @@ def plot_models(out: Path):
     labels give the tokens/s."""
     d = load("decode-models.json")
     groups = [(m, p) for m in d["models"] for p in ("float32", "bfloat16", "int8", "int4-g32") if p in m["weight_bytes"]]
-    fig, ax = plt.subplots(figsize=(max(10, 0.75 * len(groups)), 4.6))
+    fig, ax = plt.subplots(figsize=(max(10, 1.0 * len(groups)), 4.6))
     width = 0.38
     for j, (m, precision) in enumerate(groups):
         bws = sorted(m["memory_bandwidth_GBps_rounds"])
@@ -98,7 +98,7 @@ def plot_models(out: Path):
     ax.axhline(1.0, color="0.3", linestyle="dashed", zorder=3, label="bandwidth ceiling")
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
-    ax.legend(seen.values(), seen.keys(), fontsize=8, loc="lower right")
+    ax.legend(seen.values(), seen.keys(), fontsize=8, loc="upper left")
     ax.set_xticks(range(len(groups)), [f"{m['model'].replace('-coder', '')}\n{p}" for m, p in groups], fontsize=7)
     ax.set_ylabel("decode speed / bandwidth ceiling")
     ax.set_title("Decode tokens/s per model and precision (labels), batch 1, 2 threads")
