@@ -373,6 +373,10 @@ COMPILE_MODES = ("default", "regional", "max")
 def compile_options(device: torch.device, compile_mode: str) -> dict:
     """torch.compile arguments for the decode step."""
     if device.type == "cuda":  # CUDA graphs remove the per-kernel launch cost
+        import torch._inductor.config as inductor_config
+        inductor_config.triton.unique_kernel_names = True  # kernels named after what they compute: a profile reads
+        if compile_mode == "max":  # as gpt-fast: also search each reduction's block sizes (minutes more compiling)
+            inductor_config.coordinate_descent_tuning = True
         return {"mode": "max-autotune" if compile_mode == "max" else "reduce-overhead"}
     if compile_mode == "max":
         # Freeze the weights into the graph so inductor can pre-pack them for its own C++ GEMM

@@ -5,13 +5,16 @@
     python generate.py --checkpoint checkpoints/smollm2-135m --interactive
     python generate.py --checkpoint checkpoints/smollm2-135m --ngram 3 --chat --prompt "..."
     python generate.py --checkpoint checkpoints/smollm2-135m --chat --prompt "A person as JSON" --json_schema person.json
+    python generate.py --shape llama-2-7b --quantize int4-g32 --device cuda --max_new_tokens 256 --ignore_eos
     torchrun --nproc_per_node=2 generate.py --checkpoint checkpoints/smollm2-135m --prompt "..."
 
 Generated text goes to stdout; logs and metrics go to stderr.
 """
 import argparse
 import contextlib
+import fcntl
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,8 +27,9 @@ if __name__ == "__main__":
 
 import torch
 
-import speculative
 import checkpoint
+import shapes
+import speculative
 from checkpoint import write_json
 from engine import (COMPILE_MODES, MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Sampling, check_sampling,
                     check_vocabulary, load_model, log, meta_model, parse_device, parse_dtype, trained_context)
@@ -118,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Compilation (--compile) is on by default: the compiled decode step is several times "
                "faster, and its first run compiles (about a minute on CPU, cached on disk afterwards). "
                "Pass --no-compile for a quick single run.")
-    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
+    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint directory")
+    p.add_argument("--shape", choices=shapes.SHAPES, default=None,
+                   help="instead of --checkpoint, a model of this shape with random weights made on the device "
+                        "(shapes.py): for speed; its prompt is --prompt_length token ids and it prints token ids")
+    p.add_argument("--quantize", default=None, metavar="int8|int4-gN",
+                   help="with --shape: quantize its weights in memory (int8, int4-g32, int4-g64, ...)")
+    p.add_argument("--prompt_length", type=int, default=16, help="with --shape: prompt tokens (default: 16)")
     p.add_argument("--prompt", action="append",
                    help="prompt text; repeat to generate for several prompts in one batch")
     p.add_argument("--max_new_tokens", type=int, default=200)
@@ -202,6 +212,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args):
+    if (args.checkpoint is None) == (args.shape is None):
+        raise UserError("give either --checkpoint or --shape")
+    if args.shape:
+        text_only = [flag for flag, on in (("--prompt", args.prompt), ("--chat", args.chat),
+                                          ("--interactive", args.interactive), ("--stop", args.stop),
+                                          ("--draft_checkpoint", args.draft_checkpoint), ("--ngram", args.ngram),
+                                          ("--json", args.json or args.json_schema or args.regex or args.grammar))
+                     if on]
+        if text_only:
+            raise UserError(f"{text_only[0]} needs a --checkpoint with a tokenizer, not a --shape")
+        shapes.parse_quantization(args.quantize) if args.quantize else None
+        if args.prompt_length < 1:
+            raise UserError("--prompt_length must be at least 1")
+    elif args.quantize:
+        raise UserError("--quantize goes with --shape; for a checkpoint run quantize.py once and load its output")
     for name in ("max_new_tokens", "num_samples", "batch_size"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1")
@@ -394,9 +419,14 @@ def build_engine(args, tp, device, dtype, draft_dtype, needs=None) -> Generator:
     """The target's Engine, wrapped in a SpeculativeEngine when a proposer is asked for; needs: the
     run's other buffers, checked with the target's weights before they load (memory_needs)."""
     start = time.perf_counter()
-    model = load(tp, args.checkpoint, device, dtype, needs=needs)
+    if args.shape:
+        model = shapes.random_model(args.shape, device, dtype, args.quantize, needs=needs)
+    else:
+        model = load(tp, args.checkpoint, device, dtype, needs=needs)
     size = param_bytes(model, tokens=model.args.n_experts or 1)  # every expert, not the ones a step reads
-    log(f"loaded {args.checkpoint} ({model.args.architecture}, {size / 1e6:.0f} MB of weights "
+    made = f"made {args.shape} with random weights{f' ({args.quantize})' if args.quantize else ''}" \
+        if args.shape else f"loaded {args.checkpoint}"
+    log(f"{made} ({model.args.architecture}, {size / 1e6:.0f} MB of weights "
         f"in {args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
     engine = Engine(model, compile=args.compile, compile_prefill=args.compile_prefill, compile_mode=args.compile_mode)
     if args.ngram is not None:
@@ -421,17 +451,24 @@ def main(argv=None):
         raise UserError("--interactive is not supported with tensor parallelism (torchrun)")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     draft_dtype = parse_dtype(args.draft_dtype) if args.draft_dtype else dtype
+    if tp is not None and args.shape:
+        raise UserError("--shape runs in one process, not under torchrun")
     seed = tp.same_seed(args.seed) if tp is not None else args.seed  # ranks must sample the same tokens
     if seed is not None:
         torch.manual_seed(seed)
-    checkpoint.require_dir(args.checkpoint)
-    tok = Tokenizer(args.checkpoint)
-    config = checkpoint.read_config(args.checkpoint)
-    check_vocabulary(tok, config, args.checkpoint)
+    if args.shape:  # no tokenizer: token ids in and out
+        tok, config = shapes.TokenIds(), shapes.shape_args(args.shape)
+        prompts = [shapes.random_prompt(args.shape, args.prompt_length)] * args.batch_size
+        grammars = grammar = None
+    else:
+        checkpoint.require_dir(args.checkpoint)
+        tok = Tokenizer(args.checkpoint)
+        config = checkpoint.read_config(args.checkpoint)
+        check_vocabulary(tok, config, args.checkpoint)
+        grammars, grammar = read_constraint(args, tok, config.vocab_size)  # a bad schema fails before the weights load
+        prompts = None if args.interactive else encode_prompts(tok, args, config)  # lengths checked before loading
     sampling = parse_sampling(args)
     check_sampling(sampling, config.vocab_size)
-    grammars, grammar = read_constraint(args, tok, config.vocab_size)  # a bad schema fails before the weights load
-    prompts = None if args.interactive else encode_prompts(tok, args, config)  # check lengths before loading weights
     max_seq_length = cache_length(args, config, prompts)
     if args.draft_checkpoint:
         speculative.check_same_tokenizer(args.checkpoint, args.draft_checkpoint)
@@ -452,30 +489,59 @@ def main(argv=None):
         all_metrics = run_interactive(engine, tok, args, sampling, options)
     else:
         engine.setup(len(prompts), max_seq_length)
+        if args.profile is not None and device.type == "cuda":  # before any capture: kernels inside CUDA graphs show
+            torch.profiler._utils._init_for_cuda_graphs()
         engine.warm_up(prompts, sampling, host=host, constrained=bool(grammar))
         all_metrics = []
-        for i in range(args.num_samples):
-            profiling = args.profile is not None and i == args.num_samples - 1 and (tp is None or tp.rank == 0)
-            profiler = torch.profiler.profile() if profiling else contextlib.nullcontext()
-            text = TextRows(tok, len(prompts), stop_ids, args.stop, print_row=len(prompts) == 1)
-            with profiler:
-                outputs, stats = engine.generate(prompts, args.max_new_tokens, sampling, stop_ids, on_tokens=text,
-                                                 **options(len(prompts)))
-            text.finish()
-            report(tok, stats, grammar is not None)
-            if profiling:
-                profiler.export_chrome_trace(str(args.profile))
-                log(f"wrote profiler trace to {args.profile}")
-            metrics = engine.metrics(stats)
-            if args.compare_plain and isinstance(engine, speculative.SpeculativeEngine):
-                metrics.update(compare_with_plain(engine, prompts, args.max_new_tokens, sampling, stop_ids,
-                                                  metrics, outputs, options(len(prompts))))
-            if tp is not None:
-                metrics.update(tp.rank_metrics(metrics, engine.model))
-            print_metrics(metrics)
-            all_metrics.append(metrics)
+        with timing_turn():
+            for i in range(args.num_samples):
+                all_metrics.append(run_sample(engine, tok, args, prompts, sampling, stop_ids, options, tp,
+                                              profiling=i == args.num_samples - 1, constrained=grammar is not None))
     if args.metrics_json and (tp is None or tp.rank == 0):
         write_json(args.metrics_json, all_metrics)
+
+
+def timing_turn():
+    """With MINILLM_TIMING_LOCK=FILE (scripts/bench.py --shape), processes that built and compiled
+    side by side time their samples one at a time: each says it is ready (FILE.ready.PID), then
+    takes FILE's lock, which it holds until it exits (so that its exit overlaps no other's samples)."""
+    path = os.environ.get("MINILLM_TIMING_LOCK")
+    if path:
+        Path(f"{path}.ready.{os.getpid()}").touch()
+        held = open(path, "a")  # noqa: SIM115 - closed, and the lock released, when the process exits
+        fcntl.flock(held, fcntl.LOCK_EX)
+        TIMING_LOCK.append(held)
+    return contextlib.nullcontext()
+
+
+TIMING_LOCK = []  # the lock file timing_turn holds
+
+
+def run_sample(engine: Generator, tok, args, prompts: list, sampling: Sampling, stop_ids, options, tp,
+               profiling: bool, constrained: bool) -> dict:
+    """One generate call over the prompts: the text printed, its metrics returned; profiling (the last
+    sample, with --profile) writes its trace, and the table of its operators beside it (.txt)."""
+    profiling = profiling and args.profile is not None and (tp is None or tp.rank == 0)
+    profiler = torch.profiler.profile() if profiling else contextlib.nullcontext()
+    text = TextRows(tok, len(prompts), stop_ids, args.stop, print_row=len(prompts) == 1)
+    with profiler:
+        outputs, stats = engine.generate(prompts, args.max_new_tokens, sampling, stop_ids, on_tokens=text,
+                                         **options(len(prompts)))
+    text.finish()
+    report(tok, stats, constrained)
+    if profiling:
+        profiler.export_chrome_trace(str(args.profile))
+        sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+        args.profile.with_suffix(".txt").write_text(profiler.key_averages().table(sort_by=sort, row_limit=40))
+        log(f"wrote profiler trace to {args.profile} and its table to {args.profile.with_suffix('.txt')}")
+    metrics = engine.metrics(stats)
+    if args.compare_plain and isinstance(engine, speculative.SpeculativeEngine):
+        metrics.update(compare_with_plain(engine, prompts, args.max_new_tokens, sampling, stop_ids,
+                                          metrics, outputs, options(len(prompts))))
+    if tp is not None:
+        metrics.update(tp.rank_metrics(metrics, engine.model))
+    print_metrics(metrics)
+    return metrics
 
 
 if __name__ == "__main__":

@@ -123,8 +123,9 @@ def quantize_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
     w = pad_columns(w.float(), groupsize)
     out, width = w.shape
     groups = w.view(out, width // groupsize, groupsize)
-    # a few hundred rows at a time: the search's temporaries stay in cache rather than in fresh pages
-    params = [int4_group_params(rows) for rows in groups.split(256)]
+    # a few hundred rows at a time on a CPU: the search's temporaries stay in cache rather than in
+    # fresh pages; a GPU takes thousands, or the search is as many small kernels as it has rows
+    params = [int4_group_params(rows) for rows in groups.split(256 if w.device.type == "cpu" else 8192)]
     scales, zeros = torch.cat([s for s, _ in params]), torch.cat([z for _, z in params])
     q = int4_round(groups, scales[..., None], zeros[..., None])
     return q.view(out, width).to(torch.uint8), scales, zeros
@@ -230,9 +231,51 @@ def pack_int4(q: Tensor) -> Tensor:
 # order), scales and zeros in float16 (groups padded to a multiple of 8).
 
 def for_cpu_kernel(weight: Tensor) -> bool:
-    """Pack for kernels.py's q8/q4 loops (CPU), or in lanes for the compiled expression (CUDA,
-    or a CPU without the kernels)."""
+    """Pack for kernels.py's q8/q4 loops (CPU), or for the compiled expression (CUDA, or a CPU
+    without the kernels)."""
     return weight.device.type == "cpu" and kernels.available()
+
+
+# On CUDA an int8 weight stays in its rows as stored: one compiled token's product is a single
+# reduction kernel that converts each int8 as it multiplies (Int8Linear.matvec), reading one byte a
+# weight. The lanes layout above is for a CPU's vector registers.
+
+def int8_layout(q: Tensor) -> str:
+    """"rows" (kernels.py's loops, padded to 32 columns; or CUDA's reduction, as stored) or "lanes"."""
+    return "rows" if for_cpu_kernel(q) or q.device.type == "cuda" else "lanes"
+
+
+def pack_int8_for_device(q: Tensor) -> Tensor:
+    if int8_layout(q) == "lanes":
+        return pack_int8(q)
+    return pad_columns(q, 32).contiguous() if for_cpu_kernel(q) else q.contiguous()
+
+
+# int4 on CUDA with bfloat16 activations: PyTorch's tinygemm kernel (_weight_int4pack_mm), any
+# number of tokens, w = (q - 8) * scale + zero' per group with q in 0..15, so zero' = zero + 8 * scale;
+# scales and zeros interleaved as (groups, out, 2). Its CPU twin (_for_cpu) runs the same repacking
+# and call here, which is how they are tested without a GPU.
+
+def uses_tinygemm(weight: Tensor, dtype: torch.dtype) -> bool:
+    """tinygemm takes bfloat16 activations on CUDA, and output widths in multiples of 8 (its CPU twin: 16)."""
+    return weight.device.type == "cuda" and dtype == torch.bfloat16 and weight.shape[0] % 16 == 0
+
+
+def tinygemm_pack(q: Tensor) -> Tensor:
+    """values 0..15 (out, in) -> the kernel's tiled layout, on q's device. The CUDA repacking takes
+    two values a byte (the even column in the high nibble), the CPU one int32 values."""
+    inner_k_tiles = next(t for t in (8, 4, 2) if q.shape[1] % (t * 16) == 0)  # the widest tile the width allows
+    if q.device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), inner_k_tiles)
+    q = q.to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), inner_k_tiles)
+
+
+def tinygemm_mm(x: Tensor, packed: Tensor, groupsize: int, scales_and_zeros: Tensor) -> Tensor:
+    """x (tokens, in_padded) in scales_and_zeros' dtype -> (tokens, out)."""
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, groupsize, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, groupsize, scales_and_zeros)
 
 
 def pack_int4_rows(q: Tensor, into: Optional[Tensor] = None) -> Tensor:
@@ -318,9 +361,10 @@ class QuantizedLayer(nn.Module):
 
 class PackedLinear(QuantizedLayer):
     """What the int8 and int4 linears share: the choice of path, by layout and token count.
-    A subclass's pack() sets `cpu_kernel_layout` and `width` (the padded input width), and it
-    gives `cpu_kernel` (kernels.py, CPU), `matvec` (the unpacking expression for one compiled
-    token, lanes layout) and `dequantized` (everything else).
+    A subclass's pack() sets `cpu_kernel_layout`, `tinygemm` and `width` (the padded input width),
+    and it gives `cpu_kernel` (kernels.py, CPU), `matvec` (the unpacking expression for one compiled
+    token) and `dequantized` (everything else).
+    - int4 on CUDA in bfloat16: every token count through tinygemm (`tinygemm_mm`).
     - CPU with kernels.py: up to 64 tokens (decode, a verify, a short prompt), compiled or not,
       go through kernels.py's int8-activation loop, which reads the weights faster than
       inductor's fused expression.
@@ -328,6 +372,7 @@ class PackedLinear(QuantizedLayer):
     - Otherwise (longer prompts, eager CUDA) the layer dequantizes its weight for the float matmul;
       on a CPU with bf16 instructions, in bfloat16 through oneDNN (kernels.dense_linear), twice
       the float32 GEMM's rate."""
+    tinygemm = False
 
     def one_pass(self, dtype) -> bool:
         """Whether `dequantized` takes kernels.py's one-pass loop (the expression's bits, no float32
@@ -335,10 +380,17 @@ class PackedLinear(QuantizedLayer):
         return self.cpu_kernel_layout and kernels.available() and dtype in (torch.float32, torch.bfloat16)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.cpu_kernel_layout and x.shape[:-1].numel() <= LOOP_MAX_TOKENS:
+        if self.tinygemm:
+            xt = x.reshape(-1, x.shape[-1]).to(self.scales_and_zeros.dtype)
+            y = tinygemm_mm(F.pad(xt, (0, self.width - x.shape[-1])), self.packed, self.groupsize, self.scales_and_zeros)
+        elif self.cpu_kernel_layout and x.shape[:-1].numel() <= LOOP_MAX_TOKENS:
             y = self.cpu_kernel(padded_tokens(x, self.width))  # (tokens, out) float32
         elif not self.cpu_kernel_layout and compiled_matvec(x):
             y = self.matvec(kernels.materialize(padded_tokens(x, self.width)))
+        elif getattr(self, "layout", None) == "rows" and not self.cpu_kernel_layout:
+            # CUDA's int8 rows: integers are exact in any float dtype, so the scales can wait until
+            # after the product (one copy of the weight in x's dtype, no float32 one)
+            y = F.linear(x.reshape(-1, x.shape[-1]), self.packed.to(x.dtype)) * self.scales
         else:
             # a CPU prompt in bfloat16 where oneDNN runs it at twice float32's rate: x and the
             # product rounded to 8 bits of mantissa (the kernel path rounds x coarser, to int8
@@ -367,20 +419,22 @@ class Int8Linear(PackedLinear):
         return cls(linear.in_features, linear.out_features, linear.bias is not None)
 
     def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
-        self.cpu_kernel_layout = for_cpu_kernel(self.weight)
+        self.cpu_kernel_layout, self.layout = for_cpu_kernel(self.weight), int8_layout(self.weight)
         self.packed = cached_pack(cache, self.weight, pack_int8_for_device)
         self.scales = self.scales.float()
         self.weight = None  # the packed copy replaces it
         self.out_features = self.packed.shape[0]
-        self.width = self.packed.shape[1] * (1 if self.cpu_kernel_layout else 32)
+        self.width = self.packed.shape[1] * (32 if self.layout == "lanes" else 1)
 
     def dequantized(self, dtype) -> Tensor:  # (out, in) in dtype
         if self.one_pass(dtype):
             return kernels.q8_dequantize(self.packed, self.scales, self.in_features, dtype)
-        q = self.packed if self.cpu_kernel_layout else unpack_int8(self.packed).reshape(self.out_features, -1)
+        q = unpack_int8(self.packed).reshape(self.out_features, -1) if self.layout == "lanes" else self.packed
         return (q[:, :self.in_features].float() * self.scales[:, None]).to(dtype)
 
     def matvec(self, xp: Tensor) -> Tensor:
+        if self.layout == "rows":  # CUDA: one reduction kernel, each int8 converted as it is multiplied
+            return ((self.packed.float() * xp).sum(-1) * self.scales).view(1, -1)
         xb = xp.view(-1, 4, 8)  # (blocks, k, lane)
         lanes = self.packed.view(torch.int32)  # (out, blocks, 8)
         # one load of 8 lanes, then each byte shifted out and multiplied: written as a sum of
@@ -405,6 +459,7 @@ class Int4Linear(PackedLinear):
         self.register_buffer("zeros", torch.empty(out_features, width // groupsize, dtype=torch.float16))
         self.register_buffer("bias", torch.empty(out_features) if bias else None)
         self.register_buffer("packed", None, persistent=False)  # made by pack() after loading
+        self.register_buffer("scales_and_zeros", None, persistent=False)  # tinygemm's, made by pack()
 
     @classmethod
     def like(cls, linear: nn.Linear, groupsize: Optional[int]) -> "Int4Linear":
@@ -414,10 +469,19 @@ class Int4Linear(PackedLinear):
     def split_unit(self) -> int:  # a group's scale and zero cover its inputs: a split keeps groups whole
         return self.groupsize
 
-    def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
+    def pack(self, cache: dict, dtype: torch.dtype = torch.float32, tinygemm: Optional[bool] = None):
+        """tinygemm: None picks it where it runs (uses_tinygemm); True on CPU takes its CPU twin (tests)."""
         self.out_features = self.weight.shape[0]
-        self.cpu_kernel_layout = for_cpu_kernel(self.weight)
-        if self.cpu_kernel_layout:
+        self.tinygemm = uses_tinygemm(self.weight, dtype) if tinygemm is None else tinygemm
+        self.cpu_kernel_layout = for_cpu_kernel(self.weight) and not self.tinygemm
+        if self.tinygemm:
+            self.packed = cached_pack(cache, self.weight, lambda w: tinygemm_pack(bytes_to_nibbles(w)))
+            self.width = self.weight.shape[1] * 2
+            scales = self.scales.float()
+            zeros = self.zeros.float() + 8 * scales  # tinygemm decodes q - 8
+            self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(dtype)
+            self.scales = self.zeros = None
+        elif self.cpu_kernel_layout:
             into = cache.get(("int4 rows", id(self.weight)))  # where prepare_for_device wants it
             self.packed = cached_pack(cache, self.weight, lambda w: pack_int4_rows(bytes_to_nibbles(w), into))
             self.width = self.packed.shape[1] * 2
@@ -452,6 +516,10 @@ class Int4Linear(PackedLinear):
         return q, s, z
 
     def dequantized(self, dtype) -> Tensor:
+        if self.tinygemm:  # the kernel's own product with the identity: W^T = I W^T
+            eye = torch.eye(self.width, dtype=self.scales_and_zeros.dtype, device=self.packed.device)
+            w_t = tinygemm_mm(eye, self.packed, self.groupsize, self.scales_and_zeros)  # (width, out)
+            return w_t.t()[:, :self.in_features].to(dtype)
         if self.one_pass(dtype):
             return kernels.q4_dequantize(self.packed, self.scales, self.zeros, self.groupsize, self.in_features, dtype)
         if self.cpu_kernel_layout:
@@ -515,14 +583,14 @@ class Int8Embedding(QuantizedLayer):
     def pack(self, cache: dict, dtype: torch.dtype = torch.float32):
         # a tied head reads the same packed rows, so the embedding takes the head's layout
         self.dtype = dtype  # the model's activations
-        self.cpu_kernel_layout = for_cpu_kernel(self.weight)
+        self.cpu_kernel_layout, self.layout = for_cpu_kernel(self.weight), int8_layout(self.weight)
         self.packed = cached_pack(cache, self.weight, pack_int8_for_device)
         self.scales = self.scales.float()
         self.weight = None
 
     def forward(self, tokens: Tensor) -> Tensor:
         rows = self.packed[tokens]
-        if not self.cpu_kernel_layout:
+        if self.layout == "lanes":
             rows = unpack_int8(rows).reshape(*tokens.shape, -1)  # (..., blocks, 4, 8) -> (..., width)
         return (rows[..., :self.embedding_dim].float() * self.scales[tokens][..., None]).to(self.dtype)
 
@@ -658,10 +726,6 @@ class Int4Experts(QuantizedLayer):
 
     def expert(self, e: int, dtype: torch.dtype) -> Tensor:  # (out, in)
         return self.gathered(torch.tensor(e), dtype)
-
-
-def pack_int8_for_device(q: Tensor) -> Tensor:
-    return pad_columns(q, 32).contiguous() if for_cpu_kernel(q) else pack_int8(q)
 
 
 def cached_pack(cache: dict, weight: Tensor, fn) -> Tensor:
@@ -867,17 +931,34 @@ def quantize_state(model, mode: str, groupsize: int, hessians: Optional[dict] = 
         names.remove("output")
     out = {}
     for name in progress(names, "GPTQ" if hessians else "quantizing", "layer"):
-        w = state.pop(f"{name}.weight")
-        fmt = layer_format(scheme, args, name)
-        if fmt.grouped and groupsize > w.shape[1]:
-            raise QuantizeError(f"group size {groupsize} is larger than {name}'s {w.shape[1]} inputs")
-        if hessians is not None and name in hessians:
-            tensors = fmt.gptq(w, hessians[name], groupsize)
-        else:
-            tensors = fmt.quantize(w, groupsize)
-        out.update({f"{name}.{tensor}": t for tensor, t in tensors.items()})
+        hessian = hessians.get(name) if hessians is not None else None
+        out.update(quantize_weight(scheme, args, name, state.pop(f"{name}.weight"), groupsize, hessian))
     out.update(state)  # norms and biases stay float
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def quantize_weight(scheme: Scheme, args, name: str, w: Tensor, groupsize: int,
+                    hessian: Optional[Tensor] = None) -> dict:
+    """The checkpoint's tensors ("NAME.weight", "NAME.scales", ...) of layer `name`'s float weight w
+    (out, in) in its format under scheme; GPTQ given the layer's Hessian."""
+    fmt = layer_format(scheme, args, name)
+    if fmt.grouped and groupsize > w.shape[1]:
+        raise QuantizeError(f"group size {groupsize} is larger than {name}'s {w.shape[1]} inputs")
+    tensors = fmt.gptq(w, hessian, groupsize) if hessian is not None else fmt.quantize(w, groupsize)
+    return {f"{name}.{tensor}": t for tensor, t in tensors.items()}
+
+
+def scheme_record(mode: str, groupsize: int, model) -> dict:
+    """config.json's "quantization" for `model` (float, on any device) quantized in mode."""
+    scheme, config = SCHEMES[mode], model.args
+    record = {"mode": mode, "embedding": layer_format(scheme, config, "tok_embeddings").name,
+              "output": layer_format(scheme, config, "output").name}
+    if scheme.grouped:
+        record["groupsize"] = groupsize
+        # layers whose input width the group size does not divide: zero columns pad the last group
+        record["padded"] = [name for name in linear_names(model) if layer_format(scheme, config, name).grouped
+                            and model.get_submodule(name).in_features % groupsize]
+    return record
 
 
 def gptq_layers(model, scheme: Scheme) -> list:
@@ -973,13 +1054,7 @@ def main(argv=None):
         hessians = collect_hessians(model, gptq_layers(model, scheme), sequences)
     with torch.no_grad():
         state = quantize_state(model, args.mode, args.groupsize, hessians)
-    record = {"mode": args.mode, "embedding": layer_format(scheme, config, "tok_embeddings").name,
-              "output": layer_format(scheme, config, "output").name}
-    if scheme.grouped:
-        record["groupsize"] = args.groupsize
-        # layers whose input width the group size does not divide: zero columns pad the last group
-        record["padded"] = [name for name in linear_names(model) if layer_format(scheme, config, name).grouped
-                            and model.get_submodule(name).in_features % args.groupsize]
+    record = scheme_record(args.mode, args.groupsize, model)
     if scheme.gptq:
         record["calibration"] = {"file": args.calibration.name, "sequences": args.calibration_samples,
                                  "tokens": args.calibration_length}

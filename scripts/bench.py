@@ -9,6 +9,11 @@ Run from the repository root:
         --quantized int8,int4-g32 --llama_quants Q8_0,Q4_1     # quantized weights
     git worktree add /tmp/before HEAD~1 && python -m scripts.bench --engines ours \
         --before /tmp/before --quantized int8,int4-g32          # a change, before and after
+    python -m scripts.bench --shape llama-2-7b --device cuda --dtypes bfloat16 \
+        --quantized int8,int4-g32,int4-g64 --batch_sizes 1,8,32,64   # 7B random weights, ours alone
+
+--shape (a model shape with random weights, shapes.py: no peers, no checkpoint) is run by
+scripts/bench_shapes.py; its docstring says how.
 
 Current figures and the commands that made them: docs/benchmarks.md.
 
@@ -455,10 +460,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds one subprocess may take")
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 round, 32 new tokens")
     parser.add_argument("--json", type=Path, default=None, help="write every raw number here")
+    parser.add_argument("--shape", default=None,
+                        help="comma-separated shapes.py shapes (llama-2-7b, llama-3.1-8b, tiny): ours alone on "
+                             "random weights, --quantized quantized in memory (scripts/bench_shapes.py)")
+    parser.add_argument("--batch_sizes", default="1",
+                        help="with --shape: batch sizes of the first --dtypes (default: 1)")
+    parser.add_argument("--profile_dir", type=Path, default=None,
+                        help="with --shape: profile each process's last sample, its table written here")
     parser.add_argument("--before", type=Path, default=None,
                         help="another checkout of this project (e.g. a git worktree of an earlier commit): "
                              "adds the engine ours-before, its generate.py, to the same interleaved rounds")
     return parser
+
+
+def shape_main(args) -> int:
+    """--shape: scripts/bench_shapes.py over these arguments."""
+    import shapes
+    from errors import UserError
+    from scripts import bench_shapes
+    args.shape = [s for s in args.shape.split(",") if s]
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    try:
+        for label in args.quantized:
+            shapes.parse_quantization(label)
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    bad = [s for s in args.shape if s not in shapes.SHAPES] + [d for d in args.dtypes if d not in LLAMA_KIND]
+    if bad or not args.dtypes or args.num_samples < 2 or any(b < 1 for b in args.batch_sizes):
+        sys.exit(f"error: bad arguments {bad or ''} (--dtypes needs one, --num_samples >= 2, batch sizes >= 1)")
+    return bench_shapes.run(args)
 
 
 def main(argv=None):
@@ -469,6 +499,8 @@ def main(argv=None):
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.llama_quants = [q.upper() for q in args.llama_quants.split(",") if q]
     args.quantized = [q for q in args.quantized.split(",") if q]
+    if args.shape:
+        return shape_main(args)
     bad = [e for e in args.engines if e not in ENGINES] + [d for d in args.dtypes if d not in LLAMA_KIND] + \
         [q for q in args.llama_quants if q not in ("Q8_0", "Q4_1", "ORIG")] + [q for q in args.quantized if q not in QUANTIZED]
     if bad or args.num_samples < 2 or args.rounds < 1:
@@ -539,4 +571,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

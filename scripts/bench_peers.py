@@ -243,6 +243,7 @@ def quantized_activations(device: str) -> str:
 def gpu_membw(args) -> dict:
     """A GPU's read bandwidth: torch's sum over 4 GiB of float32 (far beyond its L2), best of a few."""
     import torch
+    free, total = torch.cuda.mem_get_info(args.device)  # before this worker's own 4 GiB
     x = torch.ones(2**30, device=args.device)
     x.sum()
     times = []
@@ -253,7 +254,8 @@ def gpu_membw(args) -> dict:
         torch.cuda.synchronize(x.device)
         times.append(time.perf_counter() - start)
     gb_s = x.numel() * x.element_size() / min(times) / 1e9
-    return {"gb_s": gb_s, "gb_s_torch_sum": gb_s, "device": torch.cuda.get_device_name(x.device)}
+    return {"gb_s": gb_s, "gb_s_torch_sum": gb_s, "device": torch.cuda.get_device_name(x.device),
+            "free_bytes": free, "total_bytes": total}
 
 
 def timed(fn) -> float:

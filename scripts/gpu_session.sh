@@ -4,7 +4,14 @@
 #
 # Here, on the CPU machine (needs network for PyPI and the SmolLM2 GGUF in the download cache):
 #   scripts/gpu_session.sh prepare      # .gpu/whl (wheels for Python 3.12), .gpu/a and .gpu/b (GGUF halves)
-# There, from the repository root, stages in order (a stage:SECONDS caps its time):
+# There, from the repository root, stages in order (a stage:SECONDS caps its time). The 7B figures
+# (random weights made there, shapes.py) and the whole suite, in two calls of at most 8 minutes:
+#   call 1, carrying .gpu/whl .gpu/a:  bash scripts/gpu_session.sh info parta quick shapes:330
+#   call 2, carrying .gpu/whl .gpu/b:  bash scripts/gpu_session.sh model tests:420
+# rehearsed here on the CPU with a tiny shape (tests/test_bench.py runs this):
+#   PYTHON=.venv/bin/python DEVICE=cpu SHAPES=tiny DTYPE=float32 BATCHES=1,2 NEW=16 \
+#     bash scripts/gpu_session.sh quick shapes
+# Or the suite in halves and the SmolLM2 figures:
 #   call 1, carrying .gpu/whl .gpu/a:  bash scripts/gpu_session.sh info parta kernels tests1:400
 #   call 2, carrying .gpu/b, while the machine is still warm (files under /tmp persist until it goes back):
 #                                      bash scripts/gpu_session.sh model tests2:420
@@ -16,6 +23,8 @@
 # Results (logs, JSON) go to $OUT (default /tmp/out).
 set -u
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}  # the GPU image's python3 holds torch; here, the virtualenv's
+DEVICE=${DEVICE:-cuda}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 HALF=48000000  # bytes in .gpu/a: the wheels and half the model fit under one call's limit
 
@@ -37,13 +46,15 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 
-export PYTHONUNBUFFERED=1 MINILLM_CACHE=/tmp/mc TORCH_EXTENSIONS_DIR=/tmp/ext TORCHINDUCTOR_CACHE_DIR=/tmp/ind \
-  TRITON_CACHE_DIR=/tmp/triton HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if [ ! -f /tmp/site/.ok ] && [ -d .gpu/whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
-    && touch /tmp/site/.ok || echo "installing the wheels failed"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ "$DEVICE" != cpu ]; then  # the GPU machine: caches under /tmp, the carried wheels installed there
+  export MINILLM_CACHE=/tmp/mc TORCH_EXTENSIONS_DIR=/tmp/ext TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/triton
+  if [ ! -f /tmp/site/.ok ] && [ -d .gpu/whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
+      && touch /tmp/site/.ok || echo "installing the wheels failed"
+  fi
+  export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=/tmp/site
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # the tests that need no real model, and those that need SmolLM2 (the Gemma 3 270M ones are left out)
@@ -59,7 +70,7 @@ pytest_run() {  # name seconds pytest-args...
   local name=$1 secs=$2 t0=$SECONDS
   shift 2
   # SIGINT at the cap: pytest still prints the failures' tracebacks and its summary
-  MINILLM_TEST_DEVICE=cuda timeout -s INT -k 20 "$secs" python3 -m pytest -v -n "${WORKERS:-8}" --dist loadfile \
+  MINILLM_TEST_DEVICE=$DEVICE timeout -s INT -k 20 "$secs" $PY -m pytest -v -n "${WORKERS:-8}" --dist loadfile \
     -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? in $((SECONDS - t0)) s: $(grep -c ' PASSED' "$OUT/$name.log") passed so far"
   grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/$name.log" | cut -c1-300 | tail -40
@@ -78,7 +89,7 @@ for arg in "$@"; do
   case $stage in
     info)
       nvidia-smi -L; nproc; grep -m1 "model name" /proc/cpuinfo
-      python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())" ;;
+      $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())" ;;
     parta) mkdir -p /tmp/parts && cp .gpu/a/part /tmp/parts/a ;;
     kernels) timeout "$secs" python3 -c "import kernels; print('CPU kernels built:', kernels.available())" ;;
     model)
@@ -87,6 +98,19 @@ for arg in "$@"; do
         cat /tmp/parts/a .gpu/b/part > /tmp/mc/gguf/$GGUF_NAME && timeout "$secs" python3 download.py smollm2-135m; fi ;;
     tests1) pytest_run tests1 "$secs" -k "$NOGEMMA" $T1 ;;
     tests2) pytest_run tests2 "$secs" $T2 ;;
+    tests) pytest_run tests "$secs" -k "$NOGEMMA" $T1 $T2 ;;
+    quick)  # the quantized layers the 7B figures run, against their dequantized weights, on the device
+      WORKERS=2 pytest_run quick "$secs" tests/test_quantize.py tests/test_shapes.py -k "tinygemm or int8_rows or shape" ;;
+    shapes)
+      # 7B shapes with random weights: every precision at batch 1, the first dtype at more rows; the
+      # processes compile side by side, then time one at a time (scripts/bench_shapes.py)
+      rm -rf /tmp/profiles
+      timeout -k 10 "$secs" $PY -m scripts.bench --shape "${SHAPES:-llama-2-7b,llama-3.1-8b}" --device "$DEVICE" \
+        --dtypes "${DTYPE:-bfloat16}" --quantized "${QUANT-int8,int4-g32,int4-g64}" --batch_sizes "${BATCHES:-1,8,32,64}" \
+        --max_new_tokens "${NEW:-256}" --num_samples 4 --timeout "$((secs - 20))" --profile_dir /tmp/profiles \
+        --json "$OUT/shapes.json"
+      for f in /tmp/profiles/*.txt; do [ -f "$f" ] && { echo "=== $(basename "$f" .trace.txt)"; cat "$f"; }; done \
+        > "$OUT/profiles.txt" ;;
     serve)  # ours at each concurrency; SERVE_ENGINES=ours,transformers adds generate_batch (~1 min a level)
       timeout -k 10 "$secs" python3 -m scripts.bench_serve --device cuda --precision "${PREC:-bfloat16}" \
         --engines "${SERVE_ENGINES:-ours}" --concurrency 1,4,8,16 --json "$OUT/serve-cuda.json"

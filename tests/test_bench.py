@@ -1,4 +1,11 @@
-"""scripts/bench.py's protocol: compared runs back to back, ratios taken within a round."""
+"""scripts/bench.py's protocol: compared runs back to back, ratios taken within a round; its
+--shape runs, as scripts/gpu_session.sh stages them."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
 from scripts.bench import engine_jobs, round_order, summarize
 
 
@@ -56,3 +63,20 @@ def test_peer_bytes_count_an_untied_embedding_table_as_one_row(tmp_path):
     untied = write_gguf(tmp_path / "untied.gguf", ["token_embd.weight", "output.weight", "blk.0.ffn_up.weight"])
     assert gguf_tensor_bytes(tied) == 2 * 128  # the table is the head: read whole
     assert gguf_tensor_bytes(untied) == 2 * 128  # the head and the layer; one row of the table, not counted
+
+
+def test_gpu_session_shapes_stage_rehearses_on_the_cpu(tmp_path):
+    """scripts/gpu_session.sh's 7B stage, end to end on the CPU with the tiny shape: every process
+    builds, compiles side by side, times in turn and reports; the profiles come back in one file."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, DEVICE="cpu", SHAPES="tiny", DTYPE="float32",
+               QUANT="int8,int4-g32", BATCHES="1,2", NEW="8")
+    r = subprocess.run(["bash", "scripts/gpu_session.sh", "shapes:300"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "shapes.json").read_text())["rows"]
+    assert [(row["precision"], row["batch_size"]) for row in rows] == \
+        [("float32", 1), ("int8", 1), ("int4-g32", 1), ("float32", 2)]
+    assert all(row["decode_tokens_per_s"] > 0 and row["bandwidth_fraction"] > 0 and len(row["samples"]) == 4
+               and all(s["new_tokens"] == 8 * row["batch_size"] for s in row["samples"]) for row in rows), rows
+    profiles = (tmp_path / "profiles.txt").read_text()
+    assert profiles.count("=== tiny-") == 4 and "q4_linear" in profiles

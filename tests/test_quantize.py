@@ -81,9 +81,10 @@ def test_packed_int8_unpacks_to_the_same_integers(device):
 
 # ---------------------------------------------------------------- the quantized layers
 
-def make_layer(kind, in_features, out_features, groupsize=32, bias=False, seed=0, device="cpu"):
-    """A quantized layer loaded and packed the way load_model does (on `device`), and its
-    dequantized weight."""
+def make_layer(kind, in_features, out_features, groupsize=32, bias=False, seed=0, device="cpu",
+               dtype=torch.float32, tinygemm=None):
+    """A quantized layer loaded and packed the way load_model does (on `device`, for activations
+    in dtype; an int4 layer in tinygemm's layout if asked), and its dequantized weight."""
     torch.manual_seed(seed)
     w = torch.randn(out_features, in_features) * 0.1
     if kind == "int8":
@@ -99,7 +100,7 @@ def make_layer(kind, in_features, out_features, groupsize=32, bias=False, seed=0
     if bias:
         state["bias"] = torch.randn(out_features)
     layer.load_state_dict({name: t.to(device) for name, t in state.items()}, assign=True)
-    layer.pack({}, torch.float32)
+    layer.pack({}, dtype, **({"tinygemm": tinygemm} if kind == "int4" else {}))
     return layer, w_hat, state.get("bias")
 
 
@@ -148,6 +149,50 @@ def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_featu
             # against unquantized activations: the int8 rounding of x costs little
             plain = F.linear(x, w_hat, bias)
             assert ((got - plain).norm() / plain.norm()).item() < 0.02
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("in_features,out_features,groupsize",
+                         [(96, 32, 32), (256, 48, 64), (576, 16, 128), (512, 32, 256), (4096, 64, 32)])
+def test_tinygemm_int4_equals_dequantized_matmul(in_features, out_features, groupsize):
+    """int4 through PyTorch's tinygemm kernel, repacked from the checkpoint's layout: what a CUDA
+    model in bfloat16 takes for every token count (on a CPU test device, the kernel's CPU twin,
+    and in float32 too). Against the dequantized weight; the compiled one-token call as well."""
+    device = torch.device(TEST_DEVICE)
+    dtypes = [torch.bfloat16] if device.type == "cuda" else [torch.float32, torch.bfloat16]
+    for dtype in dtypes:
+        layer, w_hat, bias = make_layer("int4", in_features, out_features, groupsize, bias=True, device=device,
+                                        dtype=dtype, tinygemm=None if device.type == "cuda" else True)
+        assert layer.tinygemm and not layer.cpu_kernel_layout and layer.scales_and_zeros.dtype == dtype
+        # bfloat16 rounds the activations, the scales and zero + 8 * scale: about 1e-2 at most
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        w = layer.dequantized(torch.float32).cpu()
+        assert w.shape == w_hat.shape and ((w - w_hat).norm() / w_hat.norm()).item() < tol
+        compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
+        for x in (torch.randn(1, 1, in_features), torch.randn(2, 7, in_features), torch.randn(70, in_features)):
+            want = F.linear(x.to(dtype).float(), w_hat, bias)
+            got = layer(x.to(device, dtype)).float().cpu()
+            assert got.shape == want.shape and ((got - want).norm() / want.norm()).item() < tol
+            if x.shape[:-1].numel() == 1:
+                torch.testing.assert_close(compiled(layer, x.to(device, dtype)).float().cpu(), got, atol=1e-2, rtol=1e-2)
+    torch._dynamo.reset()
+
+
+def test_int8_rows_expression_equals_dequantized_matmul():
+    """CUDA's int8 product for one compiled token: the stored int8 rows converted as they are
+    multiplied, one reduction. Checked here on the test device with the rows layout set by hand
+    where the device would pick another."""
+    device = torch.device(TEST_DEVICE)
+    with kernels.switched_off():
+        layer, w_hat, bias = make_layer("int8", 576, 80, bias=True, device=device)
+        if layer.layout != "rows":
+            layer.packed = Q.unpack_int8(layer.packed).reshape(80, -1)[:, :576].to(torch.int8).contiguous()
+            layer.layout, layer.width = "rows", 576
+        compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
+        x = torch.randn(1, 1, 576)
+        torch.testing.assert_close(compiled(layer, x.to(device)).cpu(), F.linear(x, w_hat, bias), atol=1e-4, rtol=1e-4)
+        x = torch.randn(3, 576)  # more tokens: the dequantized weight, from the same rows
+        torch.testing.assert_close(layer(x.to(device)).cpu(), F.linear(x, w_hat, bias), atol=1e-4, rtol=1e-4)
     torch._dynamo.reset()
 
 

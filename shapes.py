@@ -1,0 +1,115 @@
+"""Models of a published shape with random weights, made on the device in seconds.
+
+Decode speed depends on the shapes and on the bytes a step reads, not on the values of the
+weights, so a 7B model's speed on a GPU can be measured without carrying 13 GB of weights there:
+
+    python generate.py --shape llama-2-7b --device cuda --dtype bfloat16 --max_new_tokens 256 --ignore_eos
+    python generate.py --shape llama-3.1-8b --quantize int4-g32 --device cuda --dtype bfloat16
+    python -m scripts.bench --shape llama-2-7b --device cuda --quantized int8,int4-g32,int4-g64
+
+The weights are drawn from N(0, 0.02) on the device (norms 1). --quantize rounds them with
+quantize.py's own quantizers, a layer at a time as they are drawn, so no float copy of the whole
+model is ever held, and the layers are packed for the device as a quantized checkpoint's are at
+load. What such a model writes means nothing: generate.py prints its token ids.
+"""
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+
+import kernels
+import quantize
+from memory import Need, check_memory, dtype_name, weight_bytes
+from model import ModelArgs, Transformer
+
+SHAPES = {
+    # Llama 2 7B (Touvron et al. 2023): multi-head attention, a 32000-token vocabulary
+    "llama-2-7b": dict(dim=4096, n_layers=32, n_heads=32, intermediate_size=11008, vocab_size=32000,
+                       max_position_embeddings=4096, bos_token_id=1, eos_token_ids=[2]),
+    # Llama 3.1 8B: 8 KV heads (grouped-query attention), a 14336-wide feed-forward, 128256 tokens
+    "llama-3.1-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                         vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         bos_token_id=128000, eos_token_ids=[128001, 128008, 128009]),
+    # a few MB of the same kind: rehearses on a CPU what the GPU runs (scripts/gpu_session.sh)
+    "tiny": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=512, vocab_size=1024,
+                 max_position_embeddings=2048, bos_token_id=1, eos_token_ids=[2]),
+}
+
+
+def parse_quantization(label: str) -> tuple[str, int]:
+    """"int8", "int4-g32", "int4-g64", ... -> (quantize.py's mode, group size)."""
+    mode, _, group = label.partition("-g")
+    if mode not in quantize.SCHEMES or (quantize.SCHEMES[mode].grouped != bool(group)) \
+            or (group and (not group.isdigit() or int(group) not in quantize.GROUPSIZES)):
+        groups = ", ".join(f"int4-g{g}" for g in quantize.GROUPSIZES)
+        raise quantize.QuantizeError(f"unknown quantization {label!r} (choose int8, {groups})")
+    return mode, int(group) if group else 32
+
+
+def shape_args(name: str) -> ModelArgs:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r} (choose {', '.join(SHAPES)})")
+    return ModelArgs(**SHAPES[name])
+
+
+def random_model(name: str, device="cpu", dtype=torch.float32, quantization: Optional[str] = None,
+                 seed: int = 0, needs: Optional[Callable[[Transformer], list]] = None) -> Transformer:
+    """The model of shape `name` with random weights, built on `device` in `dtype` (the norms and
+    activations), its linear layers and embedding quantized in memory as quantization says
+    (a parse_quantization label), ready to run as load_model leaves a checkpoint's model. Its
+    weights and what needs(meta model) lists are checked against the free memory first."""
+    device = torch.device(device)
+    args = shape_args(name)
+    float_model = quantize.meta_model(args)  # the float shape of every tensor
+    record, scheme, groupsize = None, None, None
+    if quantization:
+        mode, groupsize = parse_quantization(quantization)
+        record, scheme = quantize.scheme_record(mode, groupsize, float_model), quantize.SCHEMES[mode]
+    model = quantize.meta_model(replace(args, quantization=record))
+    check_memory([Need("the weights", weight_bytes(model, dtype), "pass a smaller --dtype or --quantize",
+                       f" of shape {name} in {dtype_name(dtype)}"), *(needs(model) if needs else [])], device)
+    layers = set(quantize.linear_names(float_model) + ["tok_embeddings"]) if record else set()
+    generator = torch.Generator(device).manual_seed(seed)
+    state = {}
+    for key, t in float_model.state_dict().items():
+        if args.tie_word_embeddings and key == "output.weight":
+            continue  # the embedding's
+        layer = key.rpartition(".")[0]
+        if "norm" in layer:
+            state[key] = torch.ones(t.shape, dtype=dtype, device=device)
+            continue
+        # a few thousand rows at a time: quantizing a 128256-row head whole takes gigabytes of temporaries
+        parts = []
+        for rows in range(0, t.shape[0], ROWS_AT_ONCE):
+            w = torch.randn((min(ROWS_AT_ONCE, t.shape[0] - rows), *t.shape[1:]), generator=generator, device=device) * 0.02
+            parts.append(quantize.quantize_weight(scheme, args, layer, w, groupsize)
+                         if layer in layers and key.endswith(".weight") else {key: w.to(dtype)})
+        state.update({name: torch.cat([p[name] for p in parts]) for name in parts[0]})
+    model.load_state_dict(state, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    if record:
+        quantize.prepare_for_device(model)
+    if device.type == "cuda":  # the quantizers' temporaries go back to the device
+        torch.cuda.empty_cache()
+    return kernels.install(model).eval()
+
+
+ROWS_AT_ONCE = 4096
+
+
+def random_prompt(name: str, length: int, seed: int = 0) -> list:
+    """length token ids, drawn the same way every time."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, shape_args(name).vocab_size, (length,), generator=generator).tolist()
+
+
+class TokenIds:
+    """Stands in for a tokenizer where a model has none: a token's text is its id (decode of a
+    sequence is the decodes of its parts joined, as StreamDecoder needs)."""
+    eos_ids: list = []
+
+    def decode(self, ids) -> str:
+        return "".join(f" {int(i)}" for i in ids)
