@@ -179,6 +179,10 @@ def switched_off():
 def small_linear(x: Tensor, w: Tensor) -> Tensor:
     """x (..., K) float32 times w (N, K) float32 or bfloat16, transposed: (..., N) float32. Where
     BF16_DOT, x may also be one bfloat16 token times bfloat16 w (AVX-512 BF16's products)."""
+    if x.dtype == torch.bfloat16 and (x.shape[:-1].numel() != 1 or w.dtype != torch.bfloat16):
+        # checked here, not only by the operator: a C++ exception thrown from the extension killed the
+        # process on a GPU machine's image (torch 2.11)
+        raise RuntimeError(f"small_linear: a bfloat16 x must be one token (1, {w.shape[-1]}) times bfloat16 weights")
     y = torch.ops.minillm.small_linear(x.reshape(-1, x.shape[-1]), w)  # (tokens, N)
     return y.view(*x.shape[:-1], w.shape[0])
 
@@ -279,6 +283,8 @@ def module_packed(module: nn.Module) -> bool:
 def stream_sum(t: Tensor, streams: int = 1) -> float:
     """The sum of a contiguous float32 tensor (numel a multiple of 16), each thread reading its
     part as `streams` interleaved sequential streams: scripts/bench.py's read bandwidth."""
+    if not (t.is_contiguous() and t.dtype == torch.float32 and t.numel() % 16 == 0 and 1 <= streams <= 8):
+        raise RuntimeError("stream_sum: contiguous float32, a multiple of 16 elements, 1 to 8 streams")  # as small_linear
     return torch.ops.minillm.stream_sum(t, streams)
 
 

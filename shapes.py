@@ -80,13 +80,16 @@ def random_model(name: str, device="cpu", dtype=torch.float32, quantization: Opt
         if "norm" in layer:
             state[key] = torch.ones(t.shape, dtype=dtype, device=device)
             continue
-        # a few thousand rows at a time: quantizing a 128256-row head whole takes gigabytes of temporaries
-        parts = []
+        # drawn in float32 a few thousand rows at a time (quantizing a 128256-row head whole takes
+        # gigabytes of temporaries), each part written into the tensors it ends up in
         for rows in range(0, t.shape[0], ROWS_AT_ONCE):
             w = torch.randn((min(ROWS_AT_ONCE, t.shape[0] - rows), *t.shape[1:]), generator=generator, device=device) * 0.02
-            parts.append(quantize.quantize_weight(scheme, args, layer, w, groupsize)
-                         if layer in layers and key.endswith(".weight") else {key: w.to(dtype)})
-        state.update({name: torch.cat([p[name] for p in parts]) for name in parts[0]})
+            part = quantize.quantize_weight(scheme, args, layer, w, groupsize) \
+                if layer in layers and key.endswith(".weight") else {key: w.to(dtype)}
+            for name, value in part.items():
+                if name not in state:
+                    state[name] = torch.empty((t.shape[0], *value.shape[1:]), dtype=value.dtype, device=device)
+                state[name][rows:rows + len(value)] = value
     model.load_state_dict(state, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight

@@ -432,8 +432,8 @@ def print_table(summary: list, membw: list, ids: dict, args):
 
 # ---------------------------------------------------------------- main
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__.split("\n\n")[0],
+def build_parser(prog: str = "python -m scripts.bench") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      epilog=__doc__[__doc__.index("Engines"):],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m",
@@ -491,8 +491,8 @@ def shape_main(args) -> int:
     return bench_shapes.run(args)
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "python -m scripts.bench"):
+    args = build_parser(prog).parse_args(argv)
     if args.quick:
         args.rounds, args.max_new_tokens = 1, min(args.max_new_tokens, 32)
     args.engines = [e for e in args.engines.split(",") if e]
