@@ -31,12 +31,13 @@ import checkpoint
 import shapes
 import speculative
 from checkpoint import write_json
-from engine import (COMPILE_MODES, MAX_LOGPROBS, ONE_SEQUENCE, Chat, Engine, Generator, Sampling, check_sampling,
-                    check_vocabulary, load_model, log, meta_model, parse_device, parse_dtype, trained_context)
+from engine import (COMPILE_MODES, ONE_SEQUENCE, Chat, Engine, Generator, check_vocabulary, load_model, log,
+                    meta_model, parse_device, parse_dtype, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
 from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, weight_bytes
 from model import ModelArgs, param_bytes
+from sampling import MAX_LOGPROBS, Sampling, check_sampling
 from tokenizer import StopStrings, Tokenizer
 from tp import MODES as TP_MODES, init_from_env
 

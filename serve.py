@@ -43,13 +43,14 @@ import torch
 
 import checkpoint
 import kernels
-from engine import (COMPILE_MODES, MAX_LOGPROBS, BatchEngine, QueueFull, Request, Sampling, StepPlan,
-                    buckets, check_longrope_batching, check_sampling, check_vocabulary, decode_logits, load_model, log,
-                    longrope_switch, meta_model, parse_device, parse_dtype, preflight, trained_context)
+from engine import (COMPILE_MODES, BatchEngine, QueueFull, Request, StepPlan, buckets, check_longrope_batching,
+                    check_vocabulary, decode_logits, load_model, log, longrope_switch, meta_model, parse_device,
+                    parse_dtype, preflight, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
 from model import param_bytes
+from sampling import MAX_LOGPROBS, Sampling, check_sampling
 from tokenizer import StopStrings, Tokenizer
 from tp import MODES as TP_MODES, init_from_env
 

@@ -22,7 +22,7 @@ Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. 
 - sampling: Leviathan et al. 2023 (Algorithm 1) / Chen et al. 2023: accept d_i with probability
   min(1, p(d_i) / q(d_i)); on rejection sample from norm(max(p - q, 0)); when all are accepted,
   sample a bonus token from p. p and q are the processed distributions (temperature, top-k,
-  top-p: `engine.logits_to_probs`) of target and draft. An n-gram proposal is a point mass
+  top-p: `sampling.logits_to_probs`) of target and draft. An n-gram proposal is a point mass
   (q = one-hot): accept with probability p(d), on rejection sample from p with d removed.
 
 Structured output, penalties, logit_bias, logprobs (`speculative_decode_host`): the verify
@@ -63,13 +63,13 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from engine import (ONE_SEQUENCE, Engine, Generator, Request, Sampling, Stats, adjust_logits, check_cache,
-                    check_fits, common_prefix, compile_step, crosses_longrope_switch, decode_metrics,
-                    guards_skipped, log, logits_to_probs, longrope_switch, pick_tokens, reusable_prefix,
-                    sample_probs, token_logprobs)
+from engine import (ONE_SEQUENCE, Engine, Generator, Request, Stats, check_cache, check_fits, common_prefix,
+                    compile_step, crosses_longrope_switch, decode_metrics, guards_skipped, log, longrope_switch,
+                    reusable_prefix)
 from errors import UserError
 from grammar import allow_tokens, apply_mask, unpack_mask_on_host
 from model import RingKVCache, Transformer, param_bytes
+from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample_probs, token_logprobs
 
 
 # ---------------------------------------------------------------- the compiled pieces

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 import kernels
 import quantize as Q
 from checkpoint import write_json
-from engine import Sampling, bucket, decode_one_token, load_model, prefill
+from engine import bucket, decode_one_token, load_model, prefill
 from model import ModelArgs
+from sampling import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -40,8 +40,9 @@ import torch
 
 import quantize
 from checkpoint import write_checkpoint
-from engine import Engine, Sampling, load_model
+from engine import Engine, load_model
 from model import ModelArgs, Transformer, param_bytes
+from sampling import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("float32", "bfloat16", "int8")

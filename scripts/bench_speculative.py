@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 
 import speculative
-from engine import DTYPES, Engine, Sampling, load_model
+from engine import DTYPES, Engine, load_model
+from sampling import Sampling
 from tokenizer import Tokenizer
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"

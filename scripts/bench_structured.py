@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from engine import Engine, Sampling, load_model
+from engine import Engine, load_model
 from grammar import Grammars, token_masks
+from sampling import Sampling
 from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,9 +11,10 @@ import torch
 import kernels
 import quantize
 from conftest import TEST_DEVICE, random_model
-from engine import BatchEngine, Engine, QueueFull, Request, Sampling, sample_rows
+from engine import BatchEngine, Engine, QueueFull, Request
 from errors import UserError
 from model import Transformer
+from sampling import Sampling, sample_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

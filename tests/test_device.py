@@ -11,8 +11,9 @@ import torch.distributed._functional_collectives as funcol
 import engine
 import tp
 from conftest import ROOT, TEST_DEVICE, device_flags, random_model
-from engine import Engine, Sampling
+from engine import Engine
 from errors import UserError
+from sampling import Sampling
 
 # API the engine calls -> the torch release that introduced it
 SINCE = {

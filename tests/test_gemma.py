@@ -22,8 +22,9 @@ import torch
 
 import kernels
 from conftest import ROOT, TEST_DEVICE, on_test_device, random_model, run_script
-from engine import Chat, Engine, Sampling, load_model
+from engine import Chat, Engine, load_model
 from model import KVCache, ModelArgs, RingKVCache, Transformer
+from sampling import Sampling
 
 GEMMA3 = ROOT / "checkpoints" / "gemma3-270m"
 GOLDEN = Path(__file__).parent / "golden" / "gemma3-270m.json"

@@ -571,7 +571,8 @@ def test_bench_kernels_prefill_parts_adds_up_and_restores_the_kernels(onednn, mo
     if onednn and not kernels.ONEDNN:
         pytest.skip("no oneDNN GEMM on this CPU; the case without it runs below")
     monkeypatch.setattr(kernels, "ONEDNN", onednn)
-    from engine import Sampling, prefill
+    from engine import prefill
+    from sampling import Sampling
     from scripts.bench_kernels import prefill_parts
     model = kernels.install(random_model())
     model.setup_caches(1, 320)

@@ -276,7 +276,8 @@ def quantize_cli(src, *args):
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "int4-gptq"])
 def test_quantized_checkpoint_loads_and_decodes_like_eager(mode, tiny_checkpoint, tmp_path, one_thread):
-    from engine import Engine, Sampling, load_model
+    from engine import Engine, load_model
+    from sampling import Sampling
     out = tmp_path / mode
     args = ["--mode", mode, "--out", out] + (["--calibration_samples", "4", "--calibration_length", "64"]
                                              if mode == "int4-gptq" else [])
@@ -399,7 +400,8 @@ def test_smollm2_quantized_sizes_and_logits(smollm2_dir, smollm2_quantized, one_
 def test_generate_cli_on_quantized_checkpoint_matches_the_library(smollm2_quantized):
     """generate.py loads the scheme from config.json alone and prints the greedy continuation that
     engine.py's greedy decode of the same checkpoint gives."""
-    from engine import Engine, Sampling, load_model
+    from engine import Engine, load_model
+    from sampling import Sampling
     from tokenizer import Tokenizer
     ckpt = smollm2_quantized["int4"]
     assert json.loads((ckpt / "config.json").read_text())["quantization"]["mode"] == "int4"

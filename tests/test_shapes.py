@@ -5,7 +5,8 @@ import torch
 import quantize as Q
 import shapes
 from conftest import TEST_DEVICE, run_script
-from engine import Engine, Sampling
+from engine import Engine
+from sampling import Sampling
 
 
 @pytest.mark.parametrize("name,params", [("llama-2-7b", 6_738_415_616), ("llama-3.1-8b", 8_030_261_248)])

@@ -11,8 +11,9 @@ import torch
 import kernels
 import speculative
 from conftest import TEST_DEVICE, random_model, run_script, save_checkpoint
-from engine import Chat, Engine, Sampling, load_model, logits_to_probs
+from engine import Chat, Engine, load_model
 from errors import UserError
+from sampling import Sampling, logits_to_probs
 from speculative import DraftProposer, NgramProposer, SpeculativeEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")

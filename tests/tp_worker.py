@@ -18,7 +18,8 @@ import torch
 
 import kernels
 import tp as tplib
-from engine import Engine, Sampling, load_model
+from engine import Engine, load_model
+from sampling import Sampling
 
 
 @torch.inference_mode()
