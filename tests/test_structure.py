@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ROOT, run_script
 
-COMMAND_LINES = {"generate", "download", "quantize", "eval", "convert_hf_checkpoint"}
+COMMAND_LINES = {"generate", "download", "quantize", "eval", "convert_hf_checkpoint", "serve"}
 # modules whose command line is a thin `main` over importable functions: libraries may use those
 LIBRARY_TOO = {"quantize", "convert_hf_checkpoint"}
 
