@@ -31,8 +31,9 @@ import checkpoint
 import shapes
 import speculative
 from checkpoint import write_json
-from engine import (COMPILE_MODES, ONE_SEQUENCE, Chat, Engine, Generator, check_vocabulary, load_model, log,
-                    meta_model, parse_device, parse_dtype, trained_context)
+from compile import COMPILE_MODES
+from engine import (ONE_SEQUENCE, Chat, Engine, Generator, check_vocabulary, load_model, log, meta_model,
+                    parse_device, parse_dtype, trained_context)
 from errors import UserError, run_cli
 from grammar import Grammars
 from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, weight_bytes

@@ -38,8 +38,9 @@ import torch
 
 import checkpoint
 import kernels
-from engine import (COMPILE_MODES, BatchEngine, StepPlan, buckets, check_longrope_batching, check_vocabulary,
-                    decode_logits, load_model, log, longrope_switch, meta_model, parse_device, parse_dtype, preflight,
+from compile import COMPILE_MODES
+from engine import (BatchEngine, StepPlan, buckets, check_longrope_batching, check_vocabulary, decode_logits,
+                    load_model, log, longrope_switch, meta_model, parse_device, parse_dtype, preflight,
                     trained_context)
 from errors import UserError, run_cli
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes

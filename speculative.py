@@ -63,9 +63,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from compile import compile_step, guards_skipped
 from engine import (ONE_SEQUENCE, Engine, Generator, Request, Stats, check_cache, check_fits, common_prefix,
-                    compile_step, crosses_longrope_switch, decode_metrics, guards_skipped, log, longrope_switch,
-                    reusable_prefix)
+                    crosses_longrope_switch, decode_metrics, log, longrope_switch, reusable_prefix)
 from errors import UserError
 from grammar import allow_tokens, apply_mask, unpack_mask_on_host
 from model import RingKVCache, Transformer, param_bytes

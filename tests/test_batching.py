@@ -150,20 +150,20 @@ def test_compile_caches_are_keyed_by_the_traced_code(tmp_path):
     """A graph that other code cached brings that code's shape guards along (a float32 step split at
     16 rows: the warm-up's steps then compile again in the middle of serving), so compiled steps key
     torch.compile's on-disk caches by a hash of the sources they trace, beside the user's own tag."""
-    import engine
-    root = Path(engine.__file__).resolve().parent
+    import compile as compile_
+    root = Path(compile_.__file__).resolve().parent
     same, edited = tmp_path / "same", tmp_path / "edited"
     for folder in (same, edited):
         folder.mkdir()
-        for name in engine.TRACED_SOURCES:
+        for name in compile_.TRACED_SOURCES:
             shutil.copy(root / name, folder / name)
     source = (root / "kernels.py").read_text()
     assert "TILE_MAX_TOKENS = 64" in source
     (edited / "kernels.py").write_text(source.replace("TILE_MAX_TOKENS = 64", "TILE_MAX_TOKENS = 48"))
-    assert engine.compile_cache_tag(same) == engine.compile_cache_tag(root) != engine.compile_cache_tag(edited)
+    assert compile_.compile_cache_tag(same) == compile_.compile_cache_tag(root) != compile_.compile_cache_tag(edited)
     with torch.compiler.config.patch(cache_key_tag="mine"):  # (monkeypatch's undo deletes a config entry)
         BatchEngine(random_model(), max_batch_size=2, max_seq_length=32, compile=True)
-        assert torch.compiler.config.cache_key_tag == "mine:" + engine.compile_cache_tag()
+        assert torch.compiler.config.cache_key_tag == "mine:" + compile_.compile_cache_tag()
 
 
 def occupy(engine: BatchEngine, streams: int, prompt_len: int) -> Request:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+import compile as compile_
 import engine
 import tp
 from conftest import ROOT, TEST_DEVICE, device_flags, random_model
@@ -64,13 +65,13 @@ def test_all_gather_falls_back_to_the_name_older_torch_has(monkeypatch, tmp_path
 
 def test_guard_skipping_is_optional(monkeypatch):
     """Before torch 2.7 set_stance has no skip_guard_eval_unsafe; before 2.6 there is no set_stance."""
-    assert engine.stance_skips_guards()  # the torch this suite runs on has it
+    assert compile_.stance_skips_guards()  # the torch this suite runs on has it
     monkeypatch.setattr(torch.compiler, "set_stance", lambda stance="default", *, force_backend=None: None)
-    assert not engine.stance_skips_guards()
+    assert not compile_.stance_skips_guards()
     monkeypatch.delattr(torch.compiler, "set_stance")
-    assert not engine.stance_skips_guards()
-    monkeypatch.setattr(engine, "SKIPS_GUARDS", False)
-    with engine.guards_skipped(True):
+    assert not compile_.stance_skips_guards()
+    monkeypatch.setattr(compile_, "SKIPS_GUARDS", False)
+    with compile_.guards_skipped(True):
         pass
 
 

@@ -1,0 +1,109 @@
+"""torch.compile for the engines' steps: the compile modes and options per device, a tag that keys
+the on-disk caches by the sources a step traces, and guard skipping within a run of steps."""
+import contextlib
+import functools
+import hashlib
+import inspect
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import kernels
+from errors import UserError
+from model import Transformer
+
+
+COMPILE_MODES = ("default", "regional", "max")
+
+
+def compile_options(device: torch.device, compile_mode: str) -> dict:
+    """torch.compile arguments for the decode step."""
+    if device.type == "cuda":  # CUDA graphs remove the per-kernel launch cost
+        import torch._inductor.config as inductor_config
+        inductor_config.triton.unique_kernel_names = True  # kernels named after what they compute: a profile reads
+        if compile_mode == "max":  # as gpt-fast: also search each reduction's block sizes (minutes more compiling)
+            inductor_config.coordinate_descent_tuning = True
+        return {"mode": "max-autotune" if compile_mode == "max" else "reduce-overhead"}
+    if compile_mode == "max":
+        # Freeze the weights into the graph so inductor can pre-pack them for its own C++ GEMM
+        # micro-kernels. Set globally: as per-call options freezing does not take effect.
+        # Frozen graphs are not cached on disk, so every run compiles.
+        import torch._inductor.config as inductor_config
+        inductor_config.freezing = True
+        inductor_config.max_autotune = True
+        inductor_config.max_autotune_gemm_backends = "CPP,ATEN"
+        return {}
+    # inductor's graph called from C++ rather than Python: a quantized step calls many kernels.py
+    # operators, and the Python wrapper's per-call overhead shows. Not under tensor parallelism:
+    # the C++ wrapper cannot call the functional collectives, nor a compiled region (regional mode).
+    if compile_mode == "regional" or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return {}
+    return {"options": {"cpp_wrapper": True}}
+
+
+# the sources whose code a compiled step traces or calls
+TRACED_SOURCES = ("model.py", "engine.py", "sampling.py", "kernels.py", "kernels.cpp", "quantize.py", "tp.py",
+                  "grammar.py", "speculative.py")
+
+
+@functools.cache
+def compile_cache_tag(root: Path = Path(__file__).resolve().parent) -> str:
+    """A tag for torch.compile's on-disk caches: a hash of TRACED_SOURCES and of the CPU features
+    that pick kernels. A graph that other code cached carries that code's shape guards (a float32
+    step split at 16 rows, say); a cache hit adds them to this code's graph, and a step that the
+    warm-up compiled would then compile again in the middle of serving."""
+    digest = hashlib.sha256(f"{kernels.AVX512} {kernels.CPU_HAS_BF16}".encode())
+    for name in TRACED_SOURCES:
+        digest.update((root / name).read_bytes())
+    return "minillm-" + digest.hexdigest()[:16]
+
+
+def tag_compile_cache():
+    """Key torch.compile's caches by compile_cache_tag (beside any tag the user set)."""
+    tag, current = compile_cache_tag(), torch.compiler.config.cache_key_tag
+    if tag not in current:
+        torch.compiler.config.cache_key_tag = f"{current}:{tag}" if current else tag
+
+
+def compile_step(fn: Callable, model: Transformer, compile_mode: str = "default", **options) -> Callable:
+    """torch.compile(fn, fullgraph=True) for a step fn(model, ...). compile_mode: default, one graph
+    of the whole step; regional, a step that calls one compiled layer for every layer alike (a
+    fraction of the compile time; the calls are made from Python, a slower step for a small
+    model, docs/benchmarks.md); max, see compile_options."""
+    if compile_mode not in COMPILE_MODES:
+        raise UserError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, not {compile_mode!r}")
+    tag_compile_cache()
+    if compile_mode == "regional":
+        # static shapes unless the caller says otherwise: in torch 2.13 a region reused in a graph
+        # made dynamic by a later recompile can fail to trace
+        options.setdefault("dynamic", False)
+    compiled = torch.compile(fn, fullgraph=True, **options, **compile_options(model.norm.weight.device, compile_mode))
+    if compile_mode != "regional":
+        return compiled
+
+    @functools.wraps(fn)
+    def regional(model: Transformer, *args, **kwargs):
+        model.regional = True  # read when the step is traced (and guarded): this step's layers only
+        try:
+            return compiled(model, *args, **kwargs)
+        finally:
+            model.regional = False
+    return regional
+
+
+def stance_skips_guards() -> bool:
+    """torch.compiler.set_stance(skip_guard_eval_unsafe=) exists from torch 2.7 on."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance is not None and "skip_guard_eval_unsafe" in inspect.signature(stance).parameters
+
+
+SKIPS_GUARDS = stance_skips_guards()
+
+
+def guards_skipped(skip: bool):
+    """Within one generate call a compiled step is called again and again with inputs of the same
+    shapes: once its guards have been checked, skipping them saves about a millisecond a call on CPU."""
+    if not SKIPS_GUARDS:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance(skip_guard_eval_unsafe=skip)
