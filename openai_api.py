@@ -1,8 +1,9 @@
-"""The OpenAI-compatible HTTP API over engine.BatchEngine, for serve.py: the accepted fields and their
-checks, tools and tool_choice, chat and completion prompts, each choice's text and logprobs as the
-engine produces them, and the Starlette routes (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics). Requests reach the engine through BatchEngine.submit; the engine loop (serve.py)
-posts each choice's events back to the request's coroutine with loop.call_soon_threadsafe.
+"""The OpenAI-compatible HTTP API over engine.BatchEngine, for serve.py: a request checked into Params
+(its fields: openai_request.py; messages and tools: chat_tools.py) with its chat or completion prompt
+and its constraint, each choice's text and logprobs as the engine produces them, and the Starlette
+routes (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics). Requests reach the
+engine through BatchEngine.submit; the engine loop (serve.py) posts each choice's events back to the
+request's coroutine with loop.call_soon_threadsafe.
 """
 import asyncio
 import json
@@ -10,7 +11,7 @@ import time
 import traceback
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -19,204 +20,13 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from chat_tools import chat_messages, parse_tools, tool_calls, tool_functions
 from engine import BatchEngine, QueueFull, Request, log
 from errors import UserError
 from grammar import Grammars
-from sampling import MAX_LOGPROBS, Sampling, check_sampling
+from openai_request import (CONSTRAINT_FIELDS, MAX_N, APIError, Params, check_fields, parse_logprobs, parse_sampling,
+                            parse_stop)
 from tokenizer import StopStrings, Tokenizer
-MAX_STOP = 4  # stop strings per request, as OpenAI allows
-MAX_N = 16
-MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI allows (chat: `top_logprobs` up to MAX_LOGPROBS)
-FIELDS = {  # accepted fields -> value kinds (a type is checked here; the others where they are read)
-    "model": str, "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
-    "stop": "stop", "n": int, "stream": bool, "stream_options": dict, "ignore_eos": bool, "user": str,
-    "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float, "min_p": float,
-    "logit_bias": dict, "response_format": dict, "regex": str, "grammar": str,
-    "guided_regex": str, "guided_grammar": str, "guided_json": "schema",
-}
-NEUTRAL = {  # not supported: accepted at the value that means "off", a 400 otherwise
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,), "tools": ([],),
-    "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "store": (False,), "metadata": ({},),
-    "service_tier": ("auto", "default"),
-}
-COMPLETION_FIELDS = {"prompt", "logprobs"}
-CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
-ROLES = ("system", "user", "assistant", "tool")
-SAMPLING_FIELDS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
-# extra body fields that constrain the output -> grammar.py's kind of their value (one constraint per request)
-CONSTRAINT_FIELDS = {"regex": "regex", "grammar": "grammar", "guided_regex": "regex", "guided_grammar": "grammar",
-                     "guided_json": "json_schema"}
-
-
-class APIError(Exception):
-    """An error for the client, as OpenAI's API writes it: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-# ---------------------------------------------------------------- request checking
-
-KIND_NAMES = {float: "a number", int: "an integer", bool: "a boolean", str: "a string", dict: "an object",
-              list: "a list"}
-
-
-def check_value(name: str, value, kind):
-    if not isinstance(kind, type):  # checked where it is read
-        return
-    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
-    if not ok or (kind in (int, float) and isinstance(value, bool)):
-        raise APIError(400, f"`{name}` must be {KIND_NAMES[kind]}", name)
-
-
-def parse_stop(value) -> list:
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise APIError(400, "`stop` must be a non-empty string or a list of them", "stop")
-    if len(stops) > MAX_STOP:
-        raise APIError(400, f"`stop` takes at most {MAX_STOP} strings", "stop")
-    return stops
-
-
-def tool_functions(tools) -> dict:
-    """A request's `tools` checked: function name -> its parameters' JSON schema."""
-    if tools is not None and not isinstance(tools, list):
-        raise APIError(400, '`tools` must be a list of {"type": "function", "function": {...}}', "tools")
-    functions = {}
-    for i, tool in enumerate(tools or []):
-        f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-            raise APIError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
-                                f'"parameters": {{...}}}}}}', "tools")
-        parameters = f.get("parameters")
-        if parameters is None:  # a function without arguments
-            parameters = {"type": "object", "properties": {}, "additionalProperties": False}
-        if not isinstance(parameters, dict):
-            raise APIError(400, f"tools[{i}]: `parameters` must be a JSON schema object", "tools")
-        if f["name"] in functions:
-            raise APIError(400, f"tools[{i}]: two functions are named {f['name']!r}", "tools")
-        functions[f["name"]] = parameters
-    return functions
-
-
-def chat_messages(messages) -> list:
-    """A request's `messages` as chat templates take them (transformers' format): text content, an
-    assistant's `tool_calls` with their arguments as objects, a tool result with its `tool_call_id`."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "`messages` must be a non-empty list", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise APIError(400, f"messages[{i}] needs a `role` of {', '.join(ROLES)}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}]: only text content parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        message = {"role": m["role"]}
-        if m.get("tool_calls") is not None:
-            if m["role"] != "assistant":
-                raise APIError(400, f"messages[{i}]: only assistant messages carry `tool_calls`", "messages")
-            calls = message_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
-            if calls:
-                message["tool_calls"] = calls
-                if content is None:
-                    content = ""  # templates that ignore tool calls concatenate the content, which None would break
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}] needs a string `content`", "messages")
-        message["content"] = content
-        if m["role"] == "tool":
-            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
-                raise APIError(400, f"messages[{i}]: a tool result needs the `tool_call_id` of its call", "messages")
-            message["tool_call_id"] = m["tool_call_id"]
-        clean.append(message)
-    return clean
-
-
-def message_tool_calls(calls, where: str) -> list:
-    """An assistant message's `tool_calls` checked, each call's `arguments` parsed from its JSON text
-    (templates read them as an object, as transformers' docs ask)."""
-    if not isinstance(calls, list):
-        raise APIError(400, f"`{where}` must be a list of calls", "messages")
-    out = []
-    for k, call in enumerate(calls):
-        f = call.get("function") if isinstance(call, dict) and call.get("type", "function") == "function" else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-            raise APIError(400, f'`{where}[{k}]` must be {{"id": ..., "type": "function", "function": '
-                                f'{{"name": ..., "arguments": ...}}}}', "messages")
-        arguments = f.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError as e:
-                raise APIError(400, f"`{where}[{k}].function.arguments` is not valid JSON ({e})", "messages") from None
-        if not isinstance(arguments, dict):
-            raise APIError(400, f"`{where}[{k}].function.arguments` must be a JSON object", "messages")
-        entry = {"id": call["id"]} if isinstance(call.get("id"), str) else {}
-        out.append({**entry, "type": "function", "function": {"name": f["name"], "arguments": arguments}})
-    return out
-
-
-def call_schema(functions: dict) -> dict:
-    """The JSON schema of a call to one of `functions` (name -> parameters' schema):
-    {"name": <its name>, "arguments": <its parameters>}."""
-    return {"anyOf": [{"type": "object", "properties": {"name": {"const": name},
-                                                         "arguments": rebase_refs(parameters,
-                                                                                  f"#/anyOf/{i}/properties/arguments")},
-                       "required": ["name", "arguments"], "additionalProperties": False}
-                      for i, (name, parameters) in enumerate(functions.items())]}
-
-
-def rebase_refs(schema, root: str):
-    """A copy of `schema` for the place `root` (a JSON pointer) of another schema: its local $refs
-    ("#/$defs/Item", as pydantic writes them) still point into it."""
-    if isinstance(schema, dict):
-        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rebase_refs(v, root)
-                for k, v in schema.items()}
-    if isinstance(schema, list):
-        return [rebase_refs(v, root) for v in schema]
-    return schema
-
-
-def tool_calls(params: "Params", text: str) -> Optional[list]:
-    """A reply's `tool_calls` from the call's generated JSON; None if it is not a whole call."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if params.tool_name is not None:
-        name, arguments = params.tool_name, text
-    elif isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
-        name, arguments = value["name"], json.dumps(value["arguments"], ensure_ascii=False)
-    else:
-        return None
-    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-             "function": {"name": name, "arguments": arguments}}]
-
-
-@dataclass
-class Params:
-    """A checked request: its prompt token ids and generation settings."""
-    prompt: list
-    max_tokens: int
-    sampling: Sampling
-    n: int = 1
-    seed: Optional[int] = None
-    stop: list = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    ignore_eos: bool = False
-    logprobs: Optional[int] = None  # each token's logprob and this many top ones; None: off
-    grammar: Optional[str] = None  # compiled (grammar.Grammars.compile): every choice's output matches it
-    tool_call: bool = False  # the output is a function call, returned as `tool_calls`
-    tool_name: Optional[str] = None  # ... of this function (the output is its arguments); None: the output
-                                     # is {"name": ..., "arguments": ...} (tool_choice "required")
 
 
 class Server:
@@ -257,17 +67,7 @@ class Server:
         return body
 
     def parse(self, body: dict, chat: bool) -> Params:
-        own = CHAT_FIELDS if chat else COMPLETION_FIELDS
-        for name, value in body.items():
-            if name in own:
-                continue
-            if name in NEUTRAL:
-                if value is not None and value not in NEUTRAL[name]:
-                    raise APIError(400, f"`{name}` is not supported by this server", name, "unsupported_parameter")
-            elif name not in FIELDS:
-                raise APIError(400, f"unknown field `{name}`", name, "unsupported_parameter")
-            elif value is not None:
-                check_value(name, value, FIELDS[name])
+        check_fields(body, chat)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise APIError(404, f"model `{model}` not found (this server runs `{self.model_name}`)", "model",
@@ -303,51 +103,14 @@ class Server:
         options = body.get("stream_options") or {}
         if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
             raise APIError(400, "`stream_options` takes only `include_usage` (a boolean)", "stream_options")
-        sampling, logprobs = self.parse_sampling(body, temperature, top_k, top_p), self.parse_logprobs(body, chat)
+        sampling = parse_sampling(body, temperature, top_k, top_p, self.engine.model.args.vocab_size)
+        logprobs = parse_logprobs(body, chat)
         grammar, tool_call, tool_name = self.parse_constraint(body, chat)  # last: it compiles
         return Params(prompt=prompt, max_tokens=max_tokens, sampling=sampling, n=n, seed=body.get("seed"),
                       stop=parse_stop(body["stop"]) if body.get("stop") is not None else [],
                       stream=bool(body.get("stream")), include_usage=bool(options.get("include_usage")),
                       ignore_eos=bool(body.get("ignore_eos")), logprobs=logprobs, grammar=grammar,
                       tool_call=tool_call, tool_name=tool_name)
-
-    def parse_sampling(self, body: dict, temperature: float, top_k: Optional[int], top_p: float) -> Sampling:
-        bias = []
-        for key, value in (body.get("logit_bias") or {}).items():  # OpenAI's {"token id": bias}
-            try:
-                token = int(key)
-            except ValueError:
-                raise APIError(400, f"`logit_bias` keys must be token ids (got {key!r})", "logit_bias") from None
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise APIError(400, f"`logit_bias` values must be numbers (token {key}: {value!r})", "logit_bias")
-            bias.append((token, float(value)))
-        given = {name: float(body[name]) for name in SAMPLING_FIELDS[:4] if body.get(name) is not None}
-        sampling = Sampling(temperature, top_k, top_p, logit_bias=tuple(sorted(bias)), **given)
-        try:
-            check_sampling(sampling, self.engine.model.args.vocab_size)
-        except UserError as e:
-            raise APIError(400, str(e), next((f for f in SAMPLING_FIELDS if str(e).startswith(f)), None)) from None
-        return sampling
-
-    def parse_logprobs(self, body: dict, chat: bool) -> Optional[int]:
-        """How many top tokens to return with each token's logprob; None: no logprobs. Chat asks with
-        `logprobs: true` and `top_logprobs` (0-20), completions with `logprobs` (0-5)."""
-        value = body.get("logprobs")
-        if not chat:
-            if value is None or value is False:
-                return None
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COMPLETION_LOGPROBS:
-                raise APIError(400, f"`logprobs` must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
-            return value
-        if value is not None and not isinstance(value, bool):
-            raise APIError(400, "`logprobs` must be a boolean (the number of top tokens goes in `top_logprobs`)",
-                           "logprobs")
-        top = body.get("top_logprobs")
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS):
-            raise APIError(400, f"`top_logprobs` must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        if top and not value:
-            raise APIError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs")
-        return (top or 0) if value else None
 
     def parse_constraint(self, body: dict, chat: bool) -> tuple:
         """(the compiled grammar every choice must match or None, whether the output is a tool call,
@@ -368,7 +131,7 @@ class Server:
                 raise APIError(400, f"`response_format` type must be text, json_object or json_schema (got {kind!r})",
                                "response_format")
         found += [(name, kind, body[name]) for name, kind in CONSTRAINT_FIELDS.items() if body.get(name) is not None]
-        tool = self.parse_tools(body) if chat else None
+        tool = parse_tools(body) if chat else None
         if tool is not None:
             found.append(("tool_choice", "json_schema", tool[0]))
         if len(found) > 1:
@@ -382,25 +145,6 @@ class Server:
         except UserError as e:
             raise APIError(400, str(e), "tools" if name == "tool_choice" else name) from None
         return grammar, tool is not None, tool[1] if tool is not None else None
-
-    def parse_tools(self, body: dict) -> Optional[tuple]:
-        """(the JSON schema of the call, the function's name or None when the output names it) under
-        `tool_choice` "required" or a named function; None when the output is free text."""
-        functions, choice = tool_functions(body.get("tools")), body.get("tool_choice")
-        if choice is None or choice in ("none", "auto"):  # "auto": no tool call is detected in free text
-            return None
-        if choice == "required":
-            if not functions:
-                raise APIError(400, '`tool_choice` "required" needs `tools`', "tool_choice")
-            return call_schema(functions), None
-        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-            name = choice["function"].get("name")
-            if not isinstance(name, str) or name not in functions:
-                raise APIError(400, f"`tool_choice` names the function {name!r}, which is not in `tools`",
-                               "tool_choice")
-            return functions[name], name
-        raise APIError(400, '`tool_choice` must be "none", "auto", "required" or '
-                            '{"type": "function", "function": {"name": ...}}', "tool_choice")
 
     def grammars(self) -> Grammars:
         """The model's grammar.Grammars, built on first use: a checkpoint without tokenizer.json

@@ -152,7 +152,7 @@ def test_chat_template_sees_tools_and_tool_calls(smollm2_dir, tmp_path, tokenize
     transformers renders them; SmolLM2's own template ignores tools."""
     import transformers
 
-    from openai_api import chat_messages
+    from chat_tools import chat_messages
     from tokenizer import Tokenizer
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -177,7 +177,7 @@ def test_chat_template_sees_tools_and_tool_calls(smollm2_dir, tmp_path, tokenize
 def test_tool_conversation_is_served(server, client, tokenizer):
     """A conversation that carries a call and its result, with tools, gets a text reply; its prompt is
     the template's rendering of the conversation; a named call may follow the result."""
-    from openai_api import chat_messages
+    from chat_tools import chat_messages
 
     r = client.chat.completions.create(model=MODEL, messages=CONVERSATION, tools=TOOLS, temperature=0, max_tokens=16)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
