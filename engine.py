@@ -26,7 +26,7 @@ from torch import Tensor
 
 import checkpoint
 import kernels
-import quantize
+import qlayers
 from compile import compile_step, guards_skipped, tag_compile_cache
 from errors import TokenizerError, UserError
 from grammar import token_masks, unpack_mask
@@ -66,7 +66,7 @@ def keep_freed_memory() -> bool:
 def meta_model(args, tp=None) -> Transformer:
     """The model load_model builds before reading any weight: on the meta device, with a quantized
     checkpoint's layers and, with `tp`, only this rank's shard of each weight."""
-    model = quantize.meta_model(args)
+    model = qlayers.meta_model(args)
     if tp is not None:
         tp.shard_modules(model)  # shrink the sharded layers to this rank's part
     return model
@@ -75,7 +75,7 @@ def meta_model(args, tp=None) -> Transformer:
 def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_kernels: bool = True,
                needs: Optional[Callable[[Transformer], list]] = None) -> Transformer:
     """checkpoint dir -> ModelArgs + weights -> Transformer on `device` in `dtype` (eval mode).
-    A quantized checkpoint (config.json names its scheme) gets quantize.py's layers; with `tp`
+    A quantized checkpoint (config.json names its scheme) gets qlayers.py's layers; with `tp`
     (tp.py) this process builds and reads only its shard of each weight; on CPU, kernels.py's
     fast paths are installed unless fast_kernels is False (the reference model alone).
     Before any weight is read, the weights and what needs(meta model) lists (the run's other
@@ -87,8 +87,8 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_
     # CPU ranks on one machine load at once from the same free memory: each may plan its part only
     preflight(model, checkpoint_dir, device, dtype, needs,
               ranks=ranks_on_this_machine() if tp is not None and device.type == "cpu" else 1)
-    keep_dtype = quantize.float_tensor_names(model)  # a quantized layer's scales and zeros
-    streamed = quantize.streamed_int8_names(model)  # int8 rows read into one block on 2 MB pages (CPU)
+    keep_dtype = qlayers.float_tensor_names(model)  # a quantized layer's scales and zeros
+    streamed = qlayers.streamed_int8_names(model)  # int8 rows read into one block on 2 MB pages (CPU)
     state = checkpoint.read_weights(checkpoint_dir, checkpoint.expected_shapes(model), device, dtype,
                                     keep_dtype=keep_dtype.__contains__, read=tp.read if tp is not None else None,
                                     streamed=streamed.__contains__)
@@ -96,7 +96,7 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     if args.quantization:
-        quantize.prepare_for_device(model)  # ties scales, packs the weights for this device's kernel
+        qlayers.prepare_for_device(model)  # ties scales, packs the weights for this device's kernel
     if fast_kernels:
         kernels.install(model)
     return model.eval()

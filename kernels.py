@@ -1,5 +1,5 @@
 """CPU fast paths, swapped into a built model by `install(model)`; model.py stays the reference
-(nn.Linear and SDPA), as quantize.py's layers are swapped in by `use_quantized_layers`.
+(nn.Linear and SDPA), as qlayers.py's layers are swapped in by `use_quantized_layers`.
 
 - `CpuLinear` (for every nn.Linear): one token through `small_linear`'s AVX-512 loop, compiled
   products of a few tokens through `small_linear` (one token without AVX-512: a multiply-and-sum
@@ -295,7 +295,7 @@ def q8_linear(x: Tensor, w: Tensor, scale: Tensor) -> Tensor:
 
 
 def q4_linear(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor, groupsize: int) -> Tensor:
-    """x (T, K) float32 times quantize.py's int4 weight packed by pack_int4_rows: w uint8
+    """x (T, K) float32 times quantize.py's int4 weight packed by packing.pack_int4_rows: w uint8
     (N, K / 2), scales and zeros float16 (N, groups padded to a multiple of 8)."""
     return torch.ops.minillm.q4_linear(x, w, scales, zeros, groupsize)
 
@@ -502,7 +502,7 @@ def install(model: nn.Module) -> nn.Module:
     exact nn.Linear becomes a CpuLinear, every model.Attention a CpuAttention, FeedForward a
     CpuFeedForward and RMSNorm a CpuRMSNorm, keeping their parameters, buffers and hooks (tied and
     tensor-parallel weights stay as they are).
-    quantize.py's packed layers are not nn.Linear and stay. A no-op for a model whose weights
+    qlayers.py's packed layers are not nn.Linear and stay. A no-op for a model whose weights
     are not on the CPU, and when called again. Returns the model."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return model

@@ -102,7 +102,7 @@ def weight_bytes(model: Transformer, dtype: torch.dtype) -> int:
     """Bytes of the weights load_model reads into `model` (as meta_model builds it): float tensors
     in `dtype`, except quantized layers' scales and zeros, which keep theirs, as do integers."""
     expected = checkpoint.expected_shapes(model)
-    # quantized layers (quantize.QuantizedLayer) declare the float tensors that keep their dtype
+    # quantized layers (qlayers.QuantizedLayer) declare the float tensors that keep their dtype
     keep = {f"{name}.{tensor}" for name, module in model.named_modules()
             for tensor in getattr(module, "float_tensors", ())}
     return sum(math.prod(shape) * (dtype.itemsize if expected.dtypes[name].is_floating_point and name not in keep

@@ -4,7 +4,7 @@ experts Mixtral, Qwen3-MoE and gpt-oss. Every variation is a field of `ModelArgs
 checkpoint's config.json, never guessed from names.
 
 This is the reference: nn.Linear and SDPA, one path per module. kernels.install(model) swaps in
-the CPU fast paths, quantize.py its packed linears, tp.py its shards; this file knows none of them.
+the CPU fast paths, qlayers.py its packed linears, tp.py its shards; this file knows none of them.
 
 The KV cache is preallocated to (max_batch_size, n_kv_heads, max_seq_length, head_dim) and
 written in place, so one decode step has static shapes and compiles to a single graph.
@@ -461,7 +461,7 @@ class FeedForward(nn.Module):
 class Experts(nn.Module):
     """n_experts bias-free linear layers in one matrix (n_experts * out, in): rows e * out to
     (e + 1) * out are expert e's, so quantize.py and tp.py treat it like a linear layer's weight
-    (in_features, out_features: the matrix's). quantize.py's experts layers answer the same calls."""
+    (in_features, out_features: the matrix's). qlayers.py's experts layers answer the same calls."""
 
     def __init__(self, n_experts: int, in_features: int, out_per_expert: int, bias: bool = False):
         super().__init__()
@@ -486,7 +486,7 @@ def through_experts(layer: nn.Module, x: Tensor, ids: Tensor) -> Tensor:
     reading only the chosen experts. Few slots (decode): their experts' weights are gathered,
     static shapes for a compiled step. More slots than experts (a prompt, a wide batch): expert
     by expert over the slots that chose it. A compiled graph cannot trace that loop: there it is
-    an opaque op, or, for quantize.py's layers, the gather, which reads their integers."""
+    an opaque op, or, for qlayers.py's layers, the gather, which reads their integers."""
     N, k = ids.shape
     x = x.unsqueeze(1).expand(N, k, x.shape[-1]) if x.dim() == 2 else x  # (N, k, in)
     compiling = torch.compiler.is_compiling()

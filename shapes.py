@@ -18,7 +18,9 @@ from typing import Callable, Optional
 import torch
 
 import kernels
+import qlayers
 import quantize
+from errors import QuantizeError
 from memory import Need, check_memory, dtype_name, weight_bytes
 from model import ModelArgs, Transformer
 
@@ -41,10 +43,10 @@ SHAPES = {
 def parse_quantization(label: str) -> tuple[str, int]:
     """"int8", "int4-g32", "int4-g64", ... -> (quantize.py's mode, group size)."""
     mode, _, group = label.partition("-g")
-    if mode not in quantize.SCHEMES or (quantize.SCHEMES[mode].grouped != bool(group)) \
-            or (group and (not group.isdigit() or int(group) not in quantize.GROUPSIZES)):
-        groups = ", ".join(f"int4-g{g}" for g in quantize.GROUPSIZES)
-        raise quantize.QuantizeError(f"unknown quantization {label!r} (choose int8, {groups})")
+    if mode not in qlayers.SCHEMES or (qlayers.SCHEMES[mode].grouped != bool(group)) \
+            or (group and (not group.isdigit() or int(group) not in qlayers.GROUPSIZES)):
+        groups = ", ".join(f"int4-g{g}" for g in qlayers.GROUPSIZES)
+        raise QuantizeError(f"unknown quantization {label!r} (choose int8, {groups})")
     return mode, int(group) if group else 32
 
 
@@ -62,15 +64,15 @@ def random_model(name: str, device="cpu", dtype=torch.float32, quantization: Opt
     weights and what needs(meta model) lists are checked against the free memory first."""
     device = torch.device(device)
     args = shape_args(name)
-    float_model = quantize.meta_model(args)  # the float shape of every tensor
+    float_model = qlayers.meta_model(args)  # the float shape of every tensor
     record, scheme, groupsize = None, None, None
     if quantization:
         mode, groupsize = parse_quantization(quantization)
-        record, scheme = quantize.scheme_record(mode, groupsize, float_model), quantize.SCHEMES[mode]
-    model = quantize.meta_model(replace(args, quantization=record))
+        record, scheme = quantize.scheme_record(mode, groupsize, float_model), qlayers.SCHEMES[mode]
+    model = qlayers.meta_model(replace(args, quantization=record))
     check_memory([Need("the weights", weight_bytes(model, dtype), "pass a smaller --dtype or --quantize",
                        f" of shape {name} in {dtype_name(dtype)}"), *(needs(model) if needs else [])], device)
-    layers = set(quantize.linear_names(float_model) + ["tok_embeddings"]) if record else set()
+    layers = set(qlayers.linear_names(float_model) + ["tok_embeddings"]) if record else set()
     generator = torch.Generator(device).manual_seed(seed)
     state = {}
     for key, t in float_model.state_dict().items():
@@ -94,7 +96,7 @@ def random_model(name: str, device="cpu", dtype=torch.float32, quantization: Opt
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     if record:
-        quantize.prepare_for_device(model)
+        qlayers.prepare_for_device(model)
     if device.type == "cuda":  # the quantizers' temporaries go back to the device
         torch.cuda.empty_cache()
     return kernels.install(model).eval()

@@ -92,7 +92,7 @@ def plan_kind(name: str) -> Optional[str]:
 
 def split_units(model: nn.Module) -> dict:
     """plan kind -> how many input features a row-wise split must keep together: the lcm of its
-    layers' `split_unit` (quantize.py's int4 layers: their group size), 1 for plain layers."""
+    layers' `split_unit` (qlayers.py's int4 layers: their group size), 1 for plain layers."""
     units = dict.fromkeys([*PLAN.values(), *VARIANT_PLAN.values()], 1)
     for name, module in model.named_modules():
         kind = plan_kind(name)
@@ -265,7 +265,7 @@ class TensorParallel:
                 elif kind == "vocab_embedding":
                     self._embed_own_tokens(module, *shard.ranges[0])
                     collectives.append(("all_reduce", args.dim))
-            # sizes that layers keep (nn.Linear, quantize.py's layers slice by in_features)
+            # sizes that layers keep (nn.Linear, qlayers.py's layers slice by in_features)
             for attr in ("out_features", "in_features", "num_embeddings"):
                 if hasattr(module, attr) and (attr == "in_features") == shard.rowwise:
                     setattr(module, attr, sum(b - a for a, b in shard.ranges))
@@ -297,7 +297,7 @@ class TensorParallel:
         return all_gather_single(output, output.dim() - 1, self.group_name)
 
     def _embed_own_tokens(self, module: nn.Module, v0: int, v1: int):
-        """Make an embedding (nn.Embedding or quantize.py's) holding rows v0..v1 look up only
+        """Make an embedding (nn.Embedding or qlayers.py's) holding rows v0..v1 look up only
         its own tokens, give zeros for the others, and all-reduce: the sum is the full lookup."""
         base, group_name = type(module), self.group_name
 

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+import packing
+import qlayers
 import quantize as Q
 from checkpoint import write_json
 from engine import bucket, decode_one_token, load_model, prefill
@@ -57,11 +59,11 @@ def layer_shapes(args: ModelArgs) -> list:
             (args.intermediate_size, args.dim), (args.dim, args.intermediate_size)]
 
 
-def int8_unpack_then_reduce(layer: Q.Int8Linear, x):
+def int8_unpack_then_reduce(layer: qlayers.Int8Linear, x):
     """Another int8 expression for inductor: unpack to (out, blocks, 4, 8), then one reduction."""
     blocks = layer.packed.shape[1]
-    xb = kernels.materialize(Q.padded_tokens(x, blocks * 32)).view(blocks, 4, 8)  # (blocks, 4, 8)
-    return (Q.unpack_int8(layer.packed).float() * xb).sum((-3, -2, -1)) * layer.scales
+    xb = kernels.materialize(qlayers.padded_tokens(x, blocks * 32)).view(blocks, 4, 8)  # (blocks, 4, 8)
+    return (packing.unpack_int8(layer.packed).float() * xb).sum((-3, -2, -1)) * layer.scales
 
 
 def bench_layers(model_args: ModelArgs, options):
@@ -83,7 +85,7 @@ def bench_layers(model_args: ModelArgs, options):
         mods = []
         for w in weights:
             q, s = Q.quantize_int8(w)
-            m = Q.Int8Linear(w.shape[1], w.shape[0])
+            m = qlayers.Int8Linear(w.shape[1], w.shape[0])
             m.weight, m.scales = q, s
             m.pack({})
             mods.append(m)
@@ -93,8 +95,8 @@ def bench_layers(model_args: ModelArgs, options):
         mods = []
         for w in weights:
             q, s, z = Q.quantize_int4(w, 32)
-            m = Q.Int4Linear(w.shape[1], w.shape[0], 32)
-            m.weight, m.scales, m.zeros = Q.nibbles_to_bytes(q), s.half(), z.half()
+            m = qlayers.Int4Linear(w.shape[1], w.shape[0], 32)
+            m.weight, m.scales, m.zeros = packing.nibbles_to_bytes(q), s.half(), z.half()
             m.pack({})
             mods.append(m)
         return mods

@@ -45,18 +45,19 @@ def jobs(args) -> list:
 
 def device_bytes(job, args) -> int:
     """What one process holds on the device: its weights, KV cache and logits, and PROCESS_OVERHEAD."""
+    import qlayers
     import quantize
     import shapes
     from engine import parse_dtype
     from memory import kv_cache_bytes, logits_bytes, weight_bytes
     shape, precision, batch = job
     model_args = shapes.shape_args(shape)
-    model = quantize.meta_model(model_args)
+    model = qlayers.meta_model(model_args)
     dtype = parse_dtype(dtype_of(precision, args.device))
     transient = 0
     if precision not in args.dtypes:
         mode, groupsize = shapes.parse_quantization(precision)
-        model = quantize.meta_model(replace(model_args, quantization=quantize.scheme_record(mode, groupsize, model)))
+        model = qlayers.meta_model(replace(model_args, quantization=quantize.scheme_record(mode, groupsize, model)))
         # the prompt's int8 head, converted to dtype for its one product
         transient = model_args.vocab_size * model_args.dim * dtype.itemsize
     return (weight_bytes(model, dtype) + kv_cache_bytes(model, batch, seq_length(args), dtype) + transient
@@ -143,11 +144,11 @@ def summarize(job, args, workdir: Path, rc, membw: dict) -> dict:
     timed = samples[1:-1] if args.profile_dir and len(samples) > 2 else samples[1:] or samples
     tps = statistics.median(s["decode_tokens_per_s"] for s in timed)
     weights_gb_s = statistics.median(s["bandwidth_gb_s"] for s in timed)
-    import quantize
+    import qlayers
     import shapes
     from engine import parse_dtype
     from memory import kv_cache_bytes
-    kv = kv_cache_bytes(quantize.meta_model(shapes.shape_args(shape)), batch, seq_length(args),
+    kv = kv_cache_bytes(qlayers.meta_model(shapes.shape_args(shape)), batch, seq_length(args),
                         parse_dtype(dtype_of(precision, args.device)))
     row.update(decode_tokens_per_s=tps, ms_per_step=1000 * batch / tps, weights_gb_s=weights_gb_s,
                kv_cache_gb_s=kv * tps / batch / 1e9, ttft_s=statistics.median(s["ttft_s"] for s in timed),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-import quantize
+import qlayers
 from conftest import TEST_DEVICE, random_model
 from engine import BatchEngine, Engine, QueueFull, Request
 from errors import UserError
@@ -100,7 +100,7 @@ def test_quantized_wide_steps_as_alone(tmp_path):
     assert r.returncode == 0, r.stderr
     model = load_model(tmp_path / "int8", TEST_DEVICE)
     # prompts that the solo run also feeds through the loops (a longer one, dequantized weights)
-    ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 5 + quantize.LOOP_MAX_TOKENS))]
+    ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 5 + qlayers.LOOP_MAX_TOKENS))]
     assert_wide_steps_as_alone(model, model, ps, 16)
 
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import kernels
 import model as reference
-import quantize
+import packing
+import qlayers
 from conftest import random_model, run_script
 
 
@@ -120,7 +121,7 @@ def test_integer_loops_give_a_row_the_same_bits_whatever_the_other_rows():
     x = torch.randn(5, K, generator=g)
     w8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
     s8 = torch.rand(N, generator=g)
-    q4 = quantize.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
+    q4 = packing.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
     s4, z4 = torch.rand(N, 8, generator=g).half(), torch.randn(N, 8, generator=g).half()
     full8, full4 = kernels.q8_linear(x, w8, s8), kernels.q4_linear(x, q4, s4, z4, 32)
     for a, b in [(0, 1), (1, 6), (3, 22), (5, 9), (2, 23)]:
@@ -130,14 +131,14 @@ def test_integer_loops_give_a_row_the_same_bits_whatever_the_other_rows():
 
 
 def test_integer_loops_give_a_token_the_same_bits_whatever_the_other_tokens():
-    # a serving step's rows (up to quantize.LOOP_MAX_TOKENS) are other requests' tokens
+    # a serving step's rows (up to qlayers.LOOP_MAX_TOKENS) are other requests' tokens
     if not kernels.available():
         pytest.fail("the integer kernels could not be built here")
     g = torch.Generator().manual_seed(3)
-    N, K, T = 37, 576, quantize.LOOP_MAX_TOKENS
+    N, K, T = 37, 576, qlayers.LOOP_MAX_TOKENS
     x = torch.randn(T, K, generator=g)
     w8, s8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8), torch.rand(N, generator=g)
-    q4 = quantize.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
+    q4 = packing.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
     s4, z4 = torch.rand(N, 24, generator=g).half(), torch.randn(N, 24, generator=g).half()
     full8, full4 = kernels.q8_linear(x, w8, s8), kernels.q4_linear(x, q4, s4, z4, 32)
     for a, b in [(0, 1), (0, 2), (3, 19), (10, T), (0, 16), (17, 50), (T - 5, T)]:
@@ -192,7 +193,7 @@ def test_kernels_give_the_same_bits_with_any_thread_count():
     x = torch.randn(T, K, generator=g)
     w = torch.randn(N, K, generator=g)
     w8, s8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8), torch.rand(N, generator=g)
-    q4 = quantize.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
+    q4 = packing.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
     s4, z4 = torch.rand(N, 8, generator=g).half(), torch.randn(N, 8, generator=g).half()
     q, k, v = (torch.randn(2, 3, s, 16, generator=g) for s in (2, 40, 40))
     mask = torch.zeros(2, 1, 1, 40)
@@ -373,9 +374,9 @@ def test_install_swaps_float_linears_and_attention_only_once():
 
 def test_install_leaves_packed_layers_and_models_off_the_cpu():
     model = random_model(n_layers=1)
-    quantize.use_quantized_layers(model, {"mode": "int8"})
+    qlayers.use_quantized_layers(model, {"mode": "int8"})
     kernels.install(model)
-    assert isinstance(model.layers[0].feed_forward.w1, quantize.Int8Linear)
+    assert isinstance(model.layers[0].feed_forward.w1, qlayers.Int8Linear)
     with torch.device("meta"):
         off_cpu = reference.Transformer(reference.ModelArgs(vocab_size=64, dim=32, intermediate_size=64,
                                                             n_layers=1, n_heads=2))

@@ -13,6 +13,8 @@ import torch
 
 import checkpoint
 import memory
+import packing
+import qlayers
 import quantize
 from conftest import ROOT, TEST_DEVICE, random_model, run_script, save_checkpoint
 from engine import meta_model
@@ -127,7 +129,7 @@ def test_weight_bytes_is_what_load_model_reads(tmp_path, smollm2_dir):
         for dtype in (torch.float32, torch.bfloat16):
             model = meta_model(checkpoint.read_config(ckpt))
             state = checkpoint.read_weights(ckpt, checkpoint.expected_shapes(model), "cpu", dtype,
-                                            keep_dtype=quantize.float_tensor_names(model).__contains__)
+                                            keep_dtype=qlayers.float_tensor_names(model).__contains__)
             assert weight_bytes(model, dtype) == sum(t.nbytes for t in state.values()), (ckpt, dtype)
 
 
@@ -176,10 +178,10 @@ def test_streamed_int8_rows_are_read_into_one_block_off_the_file_mapping(tmp_pat
     quantize.main(["--checkpoint", str(src), "--mode", "int8", "--out", str(tmp_path / "int8")])
     ckpt = tmp_path / "int8"
     meta = meta_model(checkpoint.read_config(ckpt))
-    names = quantize.streamed_int8_names(meta)
-    linears = {f"{n}.weight" for n, m in meta.named_modules() if isinstance(m, quantize.Int8Linear)} - {"output.weight"}
+    names = qlayers.streamed_int8_names(meta)
+    linears = {f"{n}.weight" for n, m in meta.named_modules() if isinstance(m, qlayers.Int8Linear)} - {"output.weight"}
     assert linears and linears <= names and ("tok_embeddings.weight" in names) == tied
-    expected, keep = checkpoint.expected_shapes(meta), quantize.float_tensor_names(meta).__contains__
+    expected, keep = checkpoint.expected_shapes(meta), qlayers.float_tensor_names(meta).__contains__
     names &= set(expected)  # a tied head is stored as the embedding
     assert ("output.weight" in names) == (not tied)
     plain = checkpoint.read_weights(ckpt, expected, "cpu", torch.float32, keep_dtype=keep)
@@ -198,7 +200,7 @@ def test_streamed_int8_rows_are_read_into_one_block_off_the_file_mapping(tmp_pat
     if kernels.available():  # the CPU loops read the integers where they were read to
         loaded = load_model(ckpt)
         layer = loaded.layers[0].feed_forward.w2
-        assert isinstance(layer, quantize.Int8Linear) and not any(lo <= layer.packed.data_ptr() < hi
+        assert isinstance(layer, qlayers.Int8Linear) and not any(lo <= layer.packed.data_ptr() < hi
                                                                  for lo, hi in file_mappings(ckpt / checkpoint.WEIGHTS))
 
 
@@ -213,7 +215,7 @@ def test_int4_rows_are_packed_into_one_block(tmp_path):
     src = save_checkpoint(model, tmp_path / "float")
     quantize.main(["--checkpoint", str(src), "--mode", "int4", "--out", str(tmp_path / "int4")])
     loaded = load_model(tmp_path / "int4")
-    layers = [m for m in loaded.modules() if isinstance(m, quantize.Int4Linear)]
+    layers = [m for m in loaded.modules() if isinstance(m, qlayers.Int4Linear)]
     assert layers and all(m.cpu_kernel_layout for m in layers)
     assert len({m.packed.untyped_storage().data_ptr() for m in layers}) == 1  # one allocation
     assert sum(m.packed.nbytes for m in layers) > checkpoint.HUGE_PAGE
@@ -221,11 +223,11 @@ def test_int4_rows_are_packed_into_one_block(tmp_path):
         assert "hg" in vma_flags(layers[0].packed.data_ptr())
     meta = meta_model(checkpoint.read_config(tmp_path / "int4"))
     plain = checkpoint.read_weights(tmp_path / "int4", checkpoint.expected_shapes(meta), "cpu", torch.float32,
-                                    keep_dtype=quantize.float_tensor_names(meta).__contains__)
+                                    keep_dtype=qlayers.float_tensor_names(meta).__contains__)
     for name, m in loaded.named_modules():
-        if isinstance(m, quantize.Int4Linear):
-            assert torch.equal(m.packed, quantize.pack_int4_rows(quantize.bytes_to_nibbles(plain[f"{name}.weight"]))), name
-    assert isinstance(loaded.output, quantize.Int8Linear)
+        if isinstance(m, qlayers.Int4Linear):
+            assert torch.equal(m.packed, packing.pack_int4_rows(packing.bytes_to_nibbles(plain[f"{name}.weight"]))), name
+    assert isinstance(loaded.output, qlayers.Int8Linear)
     assert loaded.output.packed.untyped_storage().data_ptr() != layers[0].packed.untyped_storage().data_ptr()
 
 

@@ -1,5 +1,5 @@
-"""quantize.py and eval.py: round trips, the packed kernels, GPTQ, quantized checkpoints end to
-end, perplexity, and the bad-input errors."""
+"""quantize.py, qlayers.py, packing.py and eval.py: round trips, the packed kernels, GPTQ, quantized
+checkpoints end to end, perplexity, and the bad-input errors."""
 import contextlib
 import json
 import math
@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+import packing as P
+import qlayers as L
 import quantize as Q
 from conftest import ROOT, TEST_DEVICE, random_model, run_script, save_checkpoint
 
@@ -33,9 +35,9 @@ def test_int4_round_trip_error_is_bounded(groupsize):
     torch.manual_seed(0)
     w = torch.randn(48, 320)  # 320 = 5 x 64: padded to the group size for 128 and 256
     q, s, z = Q.quantize_int4(w, groupsize)
-    width = Q.padded_width(320, groupsize)
+    width = P.padded_width(320, groupsize)
     assert q.shape == (48, width) and int(q.max()) <= 15 and s.shape == (48, width // groupsize)
-    w_hat = Q.dequantize_int4(q, s, z)[:, :320]
+    w_hat = P.dequantize_int4(q, s, z)[:, :320]
     step, zero = s.repeat_interleave(groupsize, dim=1)[:, :320], z.repeat_interleave(groupsize, dim=1)[:, :320]
     inside = (w >= zero) & (w <= zero + 15 * step)  # not clipped by the grid search: half a step off at most
     assert inside.float().mean() > 0.95
@@ -43,7 +45,7 @@ def test_int4_round_trip_error_is_bounded(groupsize):
     assert ((w_hat - w).norm() / w.norm()) < 0.12
     # min..max in 15 steps is one of the search's candidates: no group does worse than it, and
     # the search must find better grids for many
-    groups = Q.pad_columns(w, groupsize).view(48, -1, groupsize)
+    groups = P.pad_columns(w, groupsize).view(48, -1, groupsize)
     lo, hi = groups.amin(-1), groups.amax(-1)
     plain = Q.int4_error(groups, ((hi - lo) / 15).half().float(), lo.half().float())
     found = Q.int4_error(groups, s, z)
@@ -52,8 +54,8 @@ def test_int4_round_trip_error_is_bounded(groupsize):
 
 def test_nibbles_round_trip():
     q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
-    b = Q.nibbles_to_bytes(q)
-    assert b.shape == (5, 32) and torch.equal(Q.bytes_to_nibbles(b), q)
+    b = P.nibbles_to_bytes(q)
+    assert b.shape == (5, 32) and torch.equal(P.bytes_to_nibbles(b), q)
     assert torch.equal(b[:, 0] & 15, q[:, 0]) and torch.equal(b[:, 0] >> 4, q[:, 1])  # low nibble first
 
 
@@ -66,8 +68,8 @@ def test_packed_int4_unpacks_to_the_same_integers(device):
     torch.manual_seed(1)
     for width in (64, 192, 640):
         q = torch.randint(0, 16, (7, width), dtype=torch.uint8)
-        packed = Q.pack_int4(q.to(device))
-        lanes = Q.unpack_int4(packed).reshape(7, -1)  # (out, blocks * 64) in column order
+        packed = P.pack_int4(q.to(device))
+        lanes = P.unpack_int4(packed).reshape(7, -1)  # (out, blocks * 64) in column order
         assert torch.equal(lanes.cpu() + 8, q.int())
 
 
@@ -75,7 +77,7 @@ def test_packed_int4_unpacks_to_the_same_integers(device):
 def test_packed_int8_unpacks_to_the_same_integers(device):
     torch.manual_seed(1)
     q = torch.randint(-127, 128, (9, 96), dtype=torch.int8)
-    lanes = Q.unpack_int8(Q.pack_int8(q.to(device))).reshape(9, -1)
+    lanes = P.unpack_int8(P.pack_int8(q.to(device))).reshape(9, -1)
     assert torch.equal(lanes.cpu(), q.int())
 
 
@@ -88,15 +90,15 @@ def make_layer(kind, in_features, out_features, groupsize=32, bias=False, seed=0
     torch.manual_seed(seed)
     w = torch.randn(out_features, in_features) * 0.1
     if kind == "int8":
-        layer = Q.Int8Linear(in_features, out_features, bias)
+        layer = L.Int8Linear(in_features, out_features, bias)
         q, s = Q.quantize_int8(w)
         state = {"weight": q, "scales": s}
         w_hat = q.float() * s[:, None]
     else:
-        layer = Q.Int4Linear(in_features, out_features, groupsize, bias)
+        layer = L.Int4Linear(in_features, out_features, groupsize, bias)
         q, s, z = Q.quantize_int4(w, groupsize)
-        state = {"weight": Q.nibbles_to_bytes(q), "scales": s.half(), "zeros": z.half()}
-        w_hat = Q.dequantize_int4(q, s.half(), z.half())[:, :in_features]
+        state = {"weight": P.nibbles_to_bytes(q), "scales": s.half(), "zeros": z.half()}
+        w_hat = P.dequantize_int4(q, s.half(), z.half())[:, :in_features]
     if bias:
         state["bias"] = torch.randn(out_features)
     layer.load_state_dict({name: t.to(device) for name, t in state.items()}, assign=True)
@@ -123,7 +125,7 @@ def int8_activations(x):
 def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_features, groupsize, cpp_kernel,
                                                     one_thread):
     """Every path of a quantized linear. With kernels.py (CPU): up to 64 tokens
-    (quantize.LOOP_MAX_TOKENS), eager or compiled, its int8-activation loop, which equals the dequantized
+    (qlayers.LOOP_MAX_TOKENS), eager or compiled, its int8-activation loop, which equals the dequantized
     weight times int8_activations(x); past that, dequantize + matmul (in bfloat16 where the CPU
     has bf16 instructions). Without it: the compiled unpacking expression for one token,
     dequantize + matmul otherwise; that path runs on the test device."""
@@ -135,8 +137,8 @@ def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_featu
         assert layer.cpu_kernel_layout == cpp_kernel  # packed for the path
         compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
         for x in (torch.randn(3, 5, in_features), torch.randn(1, 17, in_features), torch.randn(2, in_features),
-                  torch.randn(1, 1, in_features), torch.randn(1, Q.LOOP_MAX_TOKENS + 1, in_features)):
-            few = x.shape[:-1].numel() <= Q.LOOP_MAX_TOKENS
+                  torch.randn(1, 1, in_features), torch.randn(1, L.LOOP_MAX_TOKENS + 1, in_features)):
+            few = x.shape[:-1].numel() <= L.LOOP_MAX_TOKENS
             exact = F.linear(int8_activations(x) if cpp_kernel and few else x, w_hat, bias)
             got = layer(x.to(device)).cpu()
             if cpp_kernel and not few and kernels.ONEDNN and kernels.CPU_HAS_BF16:  # a prompt: in bfloat16
@@ -186,7 +188,7 @@ def test_int8_rows_expression_equals_dequantized_matmul():
     with kernels.switched_off():
         layer, w_hat, bias = make_layer("int8", 576, 80, bias=True, device=device)
         if layer.layout != "rows":
-            layer.packed = Q.unpack_int8(layer.packed).reshape(80, -1)[:, :576].to(torch.int8).contiguous()
+            layer.packed = P.unpack_int8(layer.packed).reshape(80, -1)[:, :576].to(torch.int8).contiguous()
             layer.layout, layer.width = "rows", 576
         compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
         x = torch.randn(1, 1, 576)
@@ -200,7 +202,7 @@ def test_int8_rows_expression_equals_dequantized_matmul():
 @pytest.mark.parametrize("kind,in_features,out_features,groupsize",
                          LAYERS + [("int8", 64, 2048, 32), ("int4", 64, 2048, 32)])  # rows split over threads
 def test_one_pass_dequantization_gives_the_expressions_bits(kind, in_features, out_features, groupsize, dtype):
-    """A long CPU prompt's weight (kernels.q8_dequantize / q4_dequantize) has the bits of quantize.py's
+    """A long CPU prompt's weight (kernels.q8_dequantize / q4_dequantize) has the bits of qlayers.py's
     expression, which the layer takes with the kernels switched off, and is the weight it was made from."""
     layer, w_hat, _ = make_layer(kind, in_features, out_features, groupsize, bias=False, device="cpu")
     assert layer.cpu_kernel_layout
@@ -218,27 +220,27 @@ def test_int4_rows_layout_round_trip(width):
     """kernels.py's int4 layout: 64 columns in 32 bytes, low nibbles 0-31, high nibbles 32-63."""
     torch.manual_seed(2)
     q = torch.randint(0, 16, (5, width), dtype=torch.uint8)
-    packed = Q.pack_int4_rows(q)
+    packed = P.pack_int4_rows(q)
     assert packed.shape == (5, -(-width // 64) * 32)
     assert torch.equal(packed[:, 0] & 15, q[:, 0]) and torch.equal(packed[:, 0] >> 4, q[:, 32])
-    assert torch.equal(Q.unpack_int4_rows(packed)[:, :width], q)
+    assert torch.equal(P.unpack_int4_rows(packed)[:, :width], q)
 
 
 def test_quantized_embedding_rows(one_thread):
     torch.manual_seed(0)
     w = torch.randn(50, 72)
     q, s = Q.quantize_int8(w)
-    emb = Q.Int8Embedding(50, 72)
+    emb = L.Int8Embedding(50, 72)
     emb.load_state_dict({"weight": q, "scales": s}, assign=True)
     emb.pack({}, torch.float32)
     ids = torch.tensor([[3, 49, 0], [7, 7, 1]])
     torch.testing.assert_close(emb(ids), (q.float() * s[:, None])[ids])
     # int4 in groups (an untied model's table in int4 modes), 72 columns padded to 2 groups of 64
     q4, s4, z4 = Q.quantize_int4(w, 64)
-    emb4 = Q.Int4Embedding(50, 72, 64)
-    emb4.load_state_dict({"weight": Q.nibbles_to_bytes(q4), "scales": s4.half(), "zeros": z4.half()}, assign=True)
+    emb4 = L.Int4Embedding(50, 72, 64)
+    emb4.load_state_dict({"weight": P.nibbles_to_bytes(q4), "scales": s4.half(), "zeros": z4.half()}, assign=True)
     emb4.pack({}, torch.float32)
-    table = Q.dequantize_int4(q4, s4.half(), z4.half())[:, :72]
+    table = P.dequantize_int4(q4, s4.half(), z4.half())[:, :72]
     torch.testing.assert_close(emb4(ids), table[ids])
     assert (table - w).abs().max() < 0.5
 
@@ -256,7 +258,7 @@ def test_gptq_lowers_layer_reconstruction_error():
     H = 2 * X.T @ X / n
     errors = {}
     for name, (q, s, z) in {"rtn": Q.quantize_int4(W, 32), "gptq": Q.gptq_int4(W, H, 32)}.items():
-        errors[name] = ((X @ W.T - X @ Q.dequantize_int4(q, s, z).T) ** 2).mean().item()
+        errors[name] = ((X @ W.T - X @ P.dequantize_int4(q, s, z).T) ** 2).mean().item()
     assert errors["gptq"] < 0.9 * errors["rtn"], errors
 
 
@@ -318,28 +320,35 @@ def test_scheme_table_drives_loading():
     their dtype and tp.py how to split their inputs; the linear layers are tp.PLAN's."""
     from tp import PLAN
     model = random_model(tie_word_embeddings=False).to("meta")
-    blocks = {name for name in Q.linear_names(model) if name != "output"}
+    blocks = {name for name in L.linear_names(model) if name != "output"}
     assert {name.split(".", 2)[2] for name in blocks} == {s for s in PLAN if s not in ("tok_embeddings", "output")}
-    assert Q.linear_names(model)[-1] == "output" and len(blocks) == 5 * len(model.layers)
-    Q.use_quantized_layers(model, {"mode": "int4", "groupsize": 32, "embedding": "int4", "output": "int8"})
-    assert isinstance(model.layers[1].feed_forward.w2, Q.Int4Linear) and model.layers[1].feed_forward.w2.split_unit == 32
-    assert isinstance(model.output, Q.Int8Linear) and model.output.split_unit == 1
-    assert isinstance(model.tok_embeddings, Q.Int4Embedding)
-    kept = Q.float_tensor_names(model)
+    assert L.linear_names(model)[-1] == "output" and len(blocks) == 5 * len(model.layers)
+    L.use_quantized_layers(model, {"mode": "int4", "groupsize": 32, "embedding": "int4", "output": "int8"})
+    assert isinstance(model.layers[1].feed_forward.w2, L.Int4Linear) and model.layers[1].feed_forward.w2.split_unit == 32
+    assert isinstance(model.output, L.Int8Linear) and model.output.split_unit == 1
+    assert isinstance(model.tok_embeddings, L.Int4Embedding)
+    kept = L.float_tensor_names(model)
     assert {"layers.0.attention.wo.zeros", "output.scales", "tok_embeddings.zeros"} <= kept
     assert "output.zeros" not in kept and not any(name.endswith(".weight") for name in kept)
+
+
+def test_every_format_of_a_scheme_has_a_quantizer():
+    """The formats the loader reads (qlayers.SCHEMES) are ones quantize.py writes, by GPTQ where a mode calibrates."""
+    for mode, scheme in L.SCHEMES.items():
+        assert all(fmt in Q.QUANTIZERS for fmt in (scheme.blocks, scheme.head, scheme.embedding)), mode
+        assert not scheme.gptq or Q.QUANTIZERS[scheme.blocks].gptq, mode
 
 
 def test_a_scheme_that_this_version_does_not_make_is_refused():
     """config.json records the head's and the embedding's format: a file whose record differs from
     what its mode makes (an int4 head, say) is refused rather than loaded another way."""
     model = random_model(tie_word_embeddings=False).to("meta")
-    with pytest.raises(Q.QuantizeError, match="unsupported quantization of the output: 'int4'"):
-        Q.use_quantized_layers(model, {"mode": "int4", "groupsize": 32, "embedding": "int4", "output": "int4"})
-    with pytest.raises(Q.QuantizeError, match="unknown quantization mode 'int3'"):
-        Q.use_quantized_layers(model, {"mode": "int3"})
-    with pytest.raises(Q.QuantizeError, match="group size 48"):
-        Q.use_quantized_layers(model, {"mode": "int4", "groupsize": 48})
+    with pytest.raises(L.QuantizeError, match="unsupported quantization of the output: 'int4'"):
+        L.use_quantized_layers(model, {"mode": "int4", "groupsize": 32, "embedding": "int4", "output": "int4"})
+    with pytest.raises(L.QuantizeError, match="unknown quantization mode 'int3'"):
+        L.use_quantized_layers(model, {"mode": "int3"})
+    with pytest.raises(L.QuantizeError, match="group size 48"):
+        L.use_quantized_layers(model, {"mode": "int4", "groupsize": 48})
 
 
 @pytest.fixture(scope="module")

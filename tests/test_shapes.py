@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import quantize as Q
+import qlayers
 import shapes
 from conftest import TEST_DEVICE, run_script
 from engine import Engine
@@ -11,7 +11,7 @@ from sampling import Sampling
 
 @pytest.mark.parametrize("name,params", [("llama-2-7b", 6_738_415_616), ("llama-3.1-8b", 8_030_261_248)])
 def test_shape_has_the_published_parameter_count(name, params):
-    model = Q.meta_model(shapes.shape_args(name))
+    model = qlayers.meta_model(shapes.shape_args(name))
     assert sum(p.numel() for p in model.parameters()) == params
 
 
@@ -31,7 +31,7 @@ def test_quantized_shape_is_its_float_model_rounded(quantization, tolerance):
     want = logits(shapes.random_model("tiny", TEST_DEVICE), prompt)
     model = shapes.random_model("tiny", TEST_DEVICE, quantization=quantization)
     layer = model.layers[0].feed_forward.w1
-    assert isinstance(layer, Q.Int8Linear if quantization == "int8" else Q.Int4Linear)
+    assert isinstance(layer, qlayers.Int8Linear if quantization == "int8" else qlayers.Int4Linear)
     got = logits(model, prompt)
     assert ((got - want).norm() / want.norm()).item() < tolerance
     other = logits(shapes.random_model("tiny", TEST_DEVICE, seed=1), prompt)  # another seed: other weights

@@ -376,14 +376,14 @@ def write_int4_layer(path: Path, out_f: int, in_f: int, group: int, padded_in: i
 
 
 def int4_meta_model(intermediate_size: int, group: int):
-    """A meta-device model with quantize.py's int4 layers, as load_model builds it before sharding."""
-    import quantize
+    """A meta-device model with qlayers.py's int4 layers, as load_model builds it before sharding."""
+    import qlayers
     from model import ModelArgs, Transformer
     args = ModelArgs(vocab_size=16, dim=32, n_layers=1, n_heads=6, head_dim=32, intermediate_size=intermediate_size,
                      quantization={"mode": "int4", "groupsize": group})
     with torch.device("meta"):
         model = Transformer(args)
-    quantize.use_quantized_layers(model, args.quantization)
+    qlayers.use_quantized_layers(model, args.quantization)
     return model
 
 
