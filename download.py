@@ -25,7 +25,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from checkpoint import TOKENIZER_FILES
-from convert_hf_checkpoint import convert_gguf, convert_hf_checkpoint
+from convert_gguf import convert_gguf
+from convert_hf import convert_hf_checkpoint
 from errors import UserError, one_line, run_cli
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"

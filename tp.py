@@ -183,32 +183,65 @@ class TensorParallel:
         each attention's local head counts, and hook in the collectives: an all-reduce after every
         row-wise layer, or in exact mode all-gathers around wo and w2."""
         args = model.args
+        head_part = head_split(args.n_heads, args.n_kv_heads, self.world_size, self.rank)
+        collectives = model.tp_collectives = []  # (kind, elements per batch row) of each one a step runs
+        mode = model.tp_mode = self.mode if self.mode != "auto" else "exact" if args.quantization else "allreduce"
+        units = self._row_units(model, mode)
+        layer_shards = self._layer_shards(args, units, head_part)
+        gathered, out_sizes = {}, None  # the all-gathers' sizes, in exact mode only
+        if mode == "exact":
+            gathered, out_sizes = self._exact_shards(args, units["rowwise"], layer_shards)
+        for name, module in model.named_modules():
+            kind = plan_kind(name)
+            if kind not in layer_shards:
+                continue
+            shard = self.shards[name] = layer_shards[kind]
+            self._shrink(name, module, shard)
+            if self.world_size > 1:  # one rank holds the whole sum already
+                collectives += self._hook_collectives(module, kind, shard, gathered.get(kind), out_sizes, args)
+            # sizes that layers keep (nn.Linear, qlayers.py's layers slice by in_features)
+            for attr in ("out_features", "in_features", "num_embeddings"):
+                if hasattr(module, attr) and (attr == "in_features") == shard.rowwise:
+                    setattr(module, attr, sum(b - a for a, b in shard.ranges))
+        _, nq, _, nkv = head_part
+        for layer in model.layers:
+            layer.attention.n_heads, layer.attention.n_kv_heads = nq, nkv
+
+    def _row_units(self, model: nn.Module, mode: str) -> dict:
+        """Input features per group of each row-wise kind: a row-wise split must fall on the
+        boundaries of the input-feature groups its layer stores together (quantize.py's int4 groups)."""
+        args = model.args
+        units = split_units(model)
+        if mode == "exact":  # wo and w2 keep their input features whole
+            units["rowwise"] = units["rowwise_heads"] = 1
+        expert_hidden = args.moe_intermediate_size or args.intermediate_size
+        q_rows = args.n_heads * args.head_dim
+        for kind, features in (("rowwise", args.intermediate_size), ("rowwise_heads", q_rows),
+                               ("rowwise_experts", expert_hidden)):
+            if features % units[kind]:
+                name = next(suffix for suffix, k in {**PLAN, **VARIANT_PLAN}.items() if k == kind)
+                raise TPError(f"cannot split {name}: its {features} input features are padded to groups of "
+                              f"{units[kind]}; quantize with a group size that divides {features}")
+        return units
+
+    def _layer_shards(self, args, units: dict, head_part: tuple) -> dict:
+        """This rank's Shard of each plan kind: attention by heads, the feed-forward by its hidden
+        dimension (w1 and w3 follow w2's split), experts by their hidden dimension, and the
+        embedding and output head by vocabulary when the ranks divide it. head_part: head_split's."""
         head_dim, intermediate = args.head_dim, args.intermediate_size
-        q0, nq, kv0, nkv = head_split(args.n_heads, args.n_kv_heads, self.world_size, self.rank)
+        q0, nq, kv0, nkv = head_part
         q_rows, kv_rows = args.n_heads * head_dim, args.n_kv_heads * head_dim
         heads = Shard(False, [(q0 * head_dim, (q0 + nq) * head_dim),
                               (q_rows + kv0 * head_dim, q_rows + (kv0 + nkv) * head_dim),
                               (q_rows + kv_rows + kv0 * head_dim, q_rows + kv_rows + (kv0 + nkv) * head_dim)],
                       q_rows + 2 * kv_rows)
-        # a row-wise split must fall on the boundaries of the input-feature groups its layer
-        # stores together (quantize.py's int4 groups); w1 and w3 follow w2's split of the hidden dim
-        collectives = model.tp_collectives = []  # (kind, elements per batch row) of each one a step runs
-        mode = model.tp_mode = self.mode if self.mode != "auto" else "exact" if args.quantization else "allreduce"
-        units = split_units(model)
-        if mode == "exact":  # wo and w2 keep their input features whole
-            units["rowwise"] = units["rowwise_heads"] = 1
-        n_experts, expert_hidden = args.n_experts, args.moe_intermediate_size or intermediate
-        for kind, features in (("rowwise", intermediate), ("rowwise_heads", q_rows), ("rowwise_experts", expert_hidden)):
-            if features % units[kind]:
-                name = next(suffix for suffix, k in {**PLAN, **VARIANT_PLAN}.items() if k == kind)
-                raise TPError(f"cannot split {name}: its {features} input features are padded to groups of "
-                              f"{units[kind]}; quantize with a group size that divides {features}")
         unit = units["rowwise"]
         f0, nf = split_evenly(intermediate // unit, self.world_size, self.rank)
         hidden_part = [(f0 * unit, (f0 + nf) * unit)]
         if (q0 * head_dim) % units["rowwise_heads"] or ((q0 + nq) * head_dim) % units["rowwise_heads"]:
             raise TPError(f"cannot split attention.wo at query head {q0} over {self.world_size} ranks: "
                           f"its groups of {units['rowwise_heads']} input features straddle the heads")
+        n_experts, expert_hidden = args.n_experts, args.moe_intermediate_size or intermediate
         e0, ne = split_evenly(expert_hidden // units["rowwise_experts"], self.world_size, self.rank)
         expert_part = (e0 * units["rowwise_experts"], (e0 + ne) * units["rowwise_experts"])
         layer_shards = {
@@ -222,55 +255,52 @@ class TensorParallel:
             "rowwise_experts": Shard(True, [expert_part], expert_hidden),
             "heads": Shard(False, [(q0, q0 + nq)], args.n_heads),
         }
-        # exact mode: wo and w2 take the whole input, gathered from every rank's part, and split
-        # their output features; (rank -> features) of each gathered tensor, for the padding
-        gathered = {}
-        if mode == "exact":
-            out_part = [split_evenly(args.dim, self.world_size, r) for r in range(self.world_size)]
-            layer_shards["rowwise_heads"] = layer_shards["rowwise"] = \
-                Shard(False, [(out_part[self.rank][0], sum(out_part[self.rank]))], args.dim)
-            heads_in = [head_split(args.n_heads, args.n_kv_heads, self.world_size, r)[1] * head_dim
-                        for r in range(self.world_size)]
-            hidden_in = [split_evenly(intermediate // unit, self.world_size, r)[1] * unit
-                         for r in range(self.world_size)]
-            gathered = {"rowwise_heads": heads_in, "rowwise": hidden_in}
-            out_sizes = [n for _, n in out_part]
         vocab = args.vocab_size
         if vocab % self.world_size == 0:  # all-gather needs equal parts
             v0, nv = split_evenly(vocab, self.world_size, self.rank)
             layer_shards["vocab_embedding"] = layer_shards["vocab_head"] = Shard(False, [(v0, v0 + nv)], vocab)
-        for name, module in model.named_modules():
-            kind = plan_kind(name)
-            if kind not in layer_shards:
-                continue
-            shard = self.shards[name] = layer_shards[kind]
-            for tensors in (module._parameters, module._buffers):
-                for t_name, t in tensors.items():
-                    if t is not None:
-                        self.full_shapes[f"{name}.{t_name}"] = tuple(t.shape)
-                        local = torch.empty(self._local_shape(shard, t_name, t.shape), dtype=t.dtype, device="meta")
-                        tensors[t_name] = nn.Parameter(local, requires_grad=False) if isinstance(t, nn.Parameter) else local
-            if self.world_size > 1:  # one rank holds the whole sum already
-                if kind in gathered:
-                    module.register_forward_pre_hook(self._gather_hook(gathered[kind], inputs=True))
-                    module.register_forward_hook(self._gather_hook(out_sizes))
-                    collectives += [("all_gather", self.world_size * max(gathered[kind])),
-                                    ("all_gather", self.world_size * max(out_sizes))]
-                elif shard.rowwise:
-                    module.register_forward_hook(self._all_reduce_hook)
-                    collectives.append(("all_reduce", args.dim))
-                elif kind == "vocab_head":
-                    module.register_forward_hook(self._all_gather_hook)
-                    collectives.append(("all_gather", vocab))
-                elif kind == "vocab_embedding":
-                    self._embed_own_tokens(module, *shard.ranges[0])
-                    collectives.append(("all_reduce", args.dim))
-            # sizes that layers keep (nn.Linear, qlayers.py's layers slice by in_features)
-            for attr in ("out_features", "in_features", "num_embeddings"):
-                if hasattr(module, attr) and (attr == "in_features") == shard.rowwise:
-                    setattr(module, attr, sum(b - a for a, b in shard.ranges))
-        for layer in model.layers:
-            layer.attention.n_heads, layer.attention.n_kv_heads = nq, nkv
+        return layer_shards
+
+    def _exact_shards(self, args, unit: int, layer_shards: dict) -> tuple[dict, list]:
+        """Exact mode: wo and w2 take the whole input, gathered from every rank's part, and split
+        their output features (layer_shards is updated). Returns (kind -> every rank's input
+        features, every rank's output features) of the gathered tensors, for the padding."""
+        out_part = [split_evenly(args.dim, self.world_size, r) for r in range(self.world_size)]
+        layer_shards["rowwise_heads"] = layer_shards["rowwise"] = \
+            Shard(False, [(out_part[self.rank][0], sum(out_part[self.rank]))], args.dim)
+        heads_in = [head_split(args.n_heads, args.n_kv_heads, self.world_size, r)[1] * args.head_dim
+                    for r in range(self.world_size)]
+        hidden_in = [split_evenly(args.intermediate_size // unit, self.world_size, r)[1] * unit
+                     for r in range(self.world_size)]
+        return {"rowwise_heads": heads_in, "rowwise": hidden_in}, [n for _, n in out_part]
+
+    def _shrink(self, name: str, module: nn.Module, shard: Shard):
+        """Replace the module's meta tensors by meta tensors of this rank's shape."""
+        for tensors in (module._parameters, module._buffers):
+            for t_name, t in tensors.items():
+                if t is not None:
+                    self.full_shapes[f"{name}.{t_name}"] = tuple(t.shape)
+                    local = torch.empty(self._local_shape(shard, t_name, t.shape), dtype=t.dtype, device="meta")
+                    tensors[t_name] = nn.Parameter(local, requires_grad=False) if isinstance(t, nn.Parameter) else local
+
+    def _hook_collectives(self, module: nn.Module, kind: str, shard: Shard, gathered_in: Optional[list],
+                          out_sizes: Optional[list], args) -> list:
+        """Hook the module's collectives in; returns them as (kind, elements per batch row)."""
+        if gathered_in is not None:
+            module.register_forward_pre_hook(self._gather_hook(gathered_in, inputs=True))
+            module.register_forward_hook(self._gather_hook(out_sizes))
+            return [("all_gather", self.world_size * max(gathered_in)),
+                    ("all_gather", self.world_size * max(out_sizes))]
+        if shard.rowwise:
+            module.register_forward_hook(self._all_reduce_hook)
+            return [("all_reduce", args.dim)]
+        if kind == "vocab_head":
+            module.register_forward_hook(self._all_gather_hook)
+            return [("all_gather", args.vocab_size)]
+        if kind == "vocab_embedding":
+            self._embed_own_tokens(module, *shard.ranges[0])
+            return [("all_reduce", args.dim)]
+        return []
 
     def _all_reduce_hook(self, module, inputs, output):
         # the whole output, every batch row: each rank holds a partial sum over its input features

@@ -20,8 +20,9 @@ import transformers  # noqa: F401 -- the oracle: a test environment without it f
 
 import kernels
 from conftest import random_model
-from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
+from convert_hf import convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
 from engine import BatchEngine, Chat, Engine, Request, load_model
+from errors import ConvertError
 from model import CAUSAL_SDPA_MIN_TOKENS, MoEFeedForward, Transformer, param_bytes
 from sampling import Sampling
 from test_hf_parity import (DECODE_STEPS, MISTAKE_MIN, PROMPT_LEN, TOL, build_hf_model, greedy, hf_greedy, load_hf,

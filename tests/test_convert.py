@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 
 import download
 from conftest import run_script
-from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, hf_config_to_args, load_gguf
-from errors import CheckpointError
+from convert_gguf import load_gguf
+from convert_hf import convert_hf_checkpoint, hf_config_to_args
+from errors import CheckpointError, ConvertError
 from model import ModelArgs, Transformer
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -165,7 +165,7 @@ def seeds(tmp_path_factory):
     """The seed GGUFs (bytes and layout), the checkpoints converted from them, and the qwen2 one
     quantized to int8."""
     import quantize
-    from convert_hf_checkpoint import convert_gguf
+    from convert_gguf import convert_gguf
 
     root = tmp_path_factory.mktemp("seeds")
     out = {}
@@ -226,7 +226,7 @@ def corrupted_gguf(draw, seeds):
 
 @pytest.mark.parametrize("examples", EXAMPLES)
 def test_corrupted_gguf_converts_or_fails_in_one_line(seeds, tmp_path, examples):
-    from convert_hf_checkpoint import convert_gguf
+    from convert_gguf import convert_gguf
 
     path, out = tmp_path / "fuzzed.gguf", tmp_path / "ckpt" / "out"
 
@@ -313,7 +313,7 @@ def apply_gguf_mutations(arch, edits) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("examples", EXAMPLES)
 def test_wrong_gguf_metadata_and_tensors_convert_or_fail_in_one_line(tmp_path, examples):
-    from convert_hf_checkpoint import convert_gguf
+    from convert_gguf import convert_gguf
 
     path, out = tmp_path / "fuzzed.gguf", tmp_path / "ckpt" / "out"
     out.parent.mkdir()
@@ -498,7 +498,7 @@ def corrupted_hf_checkpoint(draw, files: dict):
 @pytest.mark.parametrize("examples", EXAMPLES)
 @pytest.mark.parametrize("shards", [1, 2])
 def test_corrupted_hf_weights_convert_or_fail_in_one_line(tmp_path, shards, examples):
-    from convert_hf_checkpoint import convert_hf_checkpoint
+    from convert_hf import convert_hf_checkpoint
 
     src, hf, out = tmp_path / "src", tmp_path / "hf", tmp_path / "ckpt" / "out"
     write_hf_checkpoint(src, shards)

@@ -183,7 +183,7 @@ def test_compiled_decode_with_ring_cache_matches_eager():
 @torch.inference_mode()
 def test_gemma3_multimodal_checkpoint_converts_its_text_decoder(tmp_path):
     import transformers
-    from convert_hf_checkpoint import convert_hf_checkpoint
+    from convert_hf import convert_hf_checkpoint
     text = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, sliding_window=16, query_pre_attn_scalar=24)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,

@@ -19,7 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from convert_hf_checkpoint import ConvertError, convert_hf_checkpoint, load_gguf, mxfp4_to_float
+from convert_gguf import load_gguf
+from convert_hf import convert_hf_checkpoint, mxfp4_to_float
+from errors import ConvertError
 from conftest import run_script
 from model import ModelArgs, Transformer
 from test_architectures import CASES

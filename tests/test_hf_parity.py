@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import kernels
 from conftest import TEST_DEVICE, on_test_device
-from convert_hf_checkpoint import convert_hf_checkpoint
+from convert_hf import convert_hf_checkpoint
 from model import CAUSAL_SDPA_MIN_TOKENS, ModelArgs, Transformer
 
 # against transformers on the CPU; a GPU sums in another order (600-token prefills came to 1.0e-4 and, Gemma 3

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import ROOT, device_flags, random_model, save_checkpoint
-from convert_hf_checkpoint import hf_config_to_args
+from convert_hf import hf_config_to_args
 from engine import check_vocabulary, trained_context
 from errors import UserError
 from model import ModelArgs
