@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import checkpoint
-from engine import check_vocabulary, load_model, log, parse_device, parse_dtype, trained_context
+from engine import log
+from loading import check_vocabulary, load_model, parse_device, parse_dtype
 from errors import UserError, run_cli
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
+from rope import trained_context
 from tokenizer import Tokenizer
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"

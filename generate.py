@@ -32,12 +32,13 @@ import shapes
 import speculative
 from checkpoint import write_json
 from compile import COMPILE_MODES
-from engine import (ONE_SEQUENCE, Chat, Engine, Generator, check_vocabulary, load_model, log, meta_model,
-                    parse_device, parse_dtype, trained_context)
+from engine import ONE_SEQUENCE, Chat, Engine, log
+from loading import check_vocabulary, load_model, meta_model, parse_device, parse_dtype
 from errors import UserError, run_cli
 from grammar import Grammars
 from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, weight_bytes
 from model import ModelArgs, param_bytes
+from rope import trained_context
 from sampling import MAX_LOGPROBS, Sampling, check_sampling
 from tokenizer import StopStrings, Tokenizer
 from tp import MODES as TP_MODES, init_from_env
@@ -357,7 +358,7 @@ def report(tok: Tokenizer, stats, constrained: bool):
                             "grammar (the output above is incomplete)")
 
 
-def run_interactive(engine: Generator, tok: Tokenizer, args, sampling: Sampling, options) -> list:
+def run_interactive(engine, tok: Tokenizer, args, sampling: Sampling, options) -> list:
     chat = Chat(engine, tok, system=args.system)
     log("interactive chat: type a message, an empty line or Ctrl-D ends")
     all_metrics = []
@@ -417,9 +418,10 @@ def load(tp, checkpoint_dir, device, dtype, shard: bool = True, needs=None):
     return load_model(checkpoint_dir, device, dtype, needs=needs)
 
 
-def build_engine(args, tp, device, dtype, draft_dtype, needs=None) -> Generator:
-    """The target's Engine, wrapped in a SpeculativeEngine when a proposer is asked for; needs: the
-    run's other buffers, checked with the target's weights before they load (memory_needs)."""
+def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length: int, needs=None):
+    """The target's Engine for rows sequences of max_seq_length tokens, wrapped in a
+    SpeculativeEngine when a proposer is asked for; needs: the run's other buffers, checked with
+    the target's weights before they load (memory_needs)."""
     start = time.perf_counter()
     if args.shape:
         model = shapes.random_model(args.shape, device, dtype, args.quantize, needs=needs)
@@ -430,7 +432,10 @@ def build_engine(args, tp, device, dtype, draft_dtype, needs=None) -> Generator:
         if args.shape else f"loaded {args.checkpoint}"
     log(f"{made} ({model.args.architecture}, {size / 1e6:.0f} MB of weights "
         f"in {args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
-    engine = Engine(model, compile=args.compile, compile_prefill=args.compile_prefill, compile_mode=args.compile_mode)
+    # every prompt in one chunk (as a request's first forward), each step attending over the whole
+    # length: one compiled graph; the rows' tokens sampled inside it where they can be
+    engine = Engine(model, rows, max_seq_length, compile=args.compile, compile_prefill=args.compile_prefill,
+                    compile_mode=args.compile_mode, prefill_chunk=max_seq_length, kv_buckets=False)
     if args.ngram is not None:
         proposer = speculative.NgramProposer(args.ngram)
     elif args.draft_checkpoint:  # under torchrun every rank holds the whole (small) draft
@@ -474,8 +479,8 @@ def main(argv=None):
     max_seq_length = cache_length(args, config, prompts)
     if args.draft_checkpoint:
         speculative.check_same_tokenizer(args.checkpoint, args.draft_checkpoint)
-    engine = build_engine(args, tp, device, dtype, draft_dtype, memory_needs(args, prompts, max_seq_length, dtype,
-                                                                             draft_dtype))
+    engine = build_engine(args, tp, device, dtype, draft_dtype, len(prompts) if prompts else 1, max_seq_length,
+                          memory_needs(args, prompts, max_seq_length, dtype, draft_dtype))
     engine.jump_forward = args.jump_forward
     stop_ids = [] if args.ignore_eos else sorted(set(engine.model.args.eos_token_ids) | set(tok.eos_ids))
 
@@ -486,11 +491,9 @@ def main(argv=None):
 
     host = sampling.adjusts or args.logprobs is not None  # the compiled step returns logits
     if args.interactive:
-        engine.setup(1, max_seq_length)
         engine.warm_up([[0]], sampling, host=host, constrained=bool(grammar))
         all_metrics = run_interactive(engine, tok, args, sampling, options)
     else:
-        engine.setup(len(prompts), max_seq_length)
         if args.profile is not None and device.type == "cuda":  # before any capture: kernels inside CUDA graphs show
             torch.profiler._utils._init_for_cuda_graphs()
         engine.warm_up(prompts, sampling, host=host, constrained=bool(grammar))
@@ -519,12 +522,13 @@ def timing_turn():
 TIMING_LOCK = []  # the lock file timing_turn holds
 
 
-def run_sample(engine: Generator, tok, args, prompts: list, sampling: Sampling, stop_ids, options, tp,
+def run_sample(engine, tok, args, prompts: list, sampling: Sampling, stop_ids, options, tp,
                profiling: bool, constrained: bool) -> dict:
     """One generate call over the prompts: the text printed, its metrics returned; profiling (the last
     sample, with --profile) writes its trace, and the table of its operators beside it (.txt)."""
     profiling = profiling and args.profile is not None and (tp is None or tp.rank == 0)
     profiler = torch.profiler.profile() if profiling else contextlib.nullcontext()
+    engine.forget_prefixes()  # every sample computes its prompt: its time to first token is a cold one
     text = TextRows(tok, len(prompts), stop_ids, args.stop, print_row=len(prompts) == 1)
     with profiler:
         outputs, stats = engine.generate(prompts, args.max_new_tokens, sampling, stop_ids, on_tokens=text,

@@ -877,64 +877,66 @@ inline __m256 key_dot(const float* q, const KV* k, int64_t D) {
   return s;
 }
 
-// out[0, 8W) = inv * sum_j p_j v_j[0, 8W): W accumulators in registers, keys of weight 0 skipped
+// out[0, 8W) = inv * sum_j p_j v_j[0, 8W), value j at v + off[j]: W accumulators in registers,
+// keys of weight 0 skipped
 template <int W, typename KV>
-inline void weigh_values(const float* p, int64_t n, const KV* v, int64_t vs, float inv, float* out) {
+inline void weigh_values(const float* p, int64_t n, const KV* v, const int64_t* off, float inv, float* out) {
   __m256 acc[W];
   for (int i = 0; i < W; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     if (p[j] == 0.f) continue;
     __m256 pj = _mm256_set1_ps(p[j]);
-    for (int i = 0; i < W; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(v + j * vs + 8 * i), acc[i]);
+    for (int i = 0; i < W; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(v + off[j] + 8 * i), acc[i]);
   }
   for (int i = 0; i < W; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
 }
 
 #ifdef __AVX512F__
 template <int W, typename KV>  // as above, 16 lanes: a 256-wide head in one pass over the weights
-inline void weigh_values16(const float* p, int64_t n, const KV* v, int64_t vs, float inv, float* out) {
+inline void weigh_values16(const float* p, int64_t n, const KV* v, const int64_t* off, float inv, float* out) {
   __m512 acc[W];
   for (int i = 0; i < W; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     if (p[j] == 0.f) continue;
     __m512 pj = _mm512_set1_ps(p[j]);
-    for (int i = 0; i < W; ++i) acc[i] = _mm512_fmadd_ps(pj, load16(v + j * vs + 16 * i), acc[i]);
+    for (int i = 0; i < W; ++i) acc[i] = _mm512_fmadd_ps(pj, load16(v + off[j] + 16 * i), acc[i]);
   }
   for (int i = 0; i < W; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
 }
 #endif
 
 template <typename KV>
-void weigh_all_values(const float* p, int64_t n, const KV* v, int64_t vs, int64_t D, float inv, float* out) {
+void weigh_all_values(const float* p, int64_t n, const KV* v, const int64_t* off, int64_t D, float inv, float* out) {
 #ifdef __AVX512F__
   if (D % 16 == 0 && D <= 256) {
     switch (D / 16) {  // the accumulators' count fixed at compile time, so they stay in registers
-      case 16: return weigh_values16<16>(p, n, v, vs, inv, out);
-      case 8: return weigh_values16<8>(p, n, v, vs, inv, out);
-      case 4: return weigh_values16<4>(p, n, v, vs, inv, out);
+      case 16: return weigh_values16<16>(p, n, v, off, inv, out);
+      case 8: return weigh_values16<8>(p, n, v, off, inv, out);
+      case 4: return weigh_values16<4>(p, n, v, off, inv, out);
       default: break;
     }
   }
 #endif
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     switch (std::min<int64_t>(64, D - d0) / 8) {
-      case 8: weigh_values<8>(p, n, v + d0, vs, inv, out + d0); break;
-      case 7: weigh_values<7>(p, n, v + d0, vs, inv, out + d0); break;
-      case 6: weigh_values<6>(p, n, v + d0, vs, inv, out + d0); break;
-      case 5: weigh_values<5>(p, n, v + d0, vs, inv, out + d0); break;
-      case 4: weigh_values<4>(p, n, v + d0, vs, inv, out + d0); break;
-      case 3: weigh_values<3>(p, n, v + d0, vs, inv, out + d0); break;
-      case 2: weigh_values<2>(p, n, v + d0, vs, inv, out + d0); break;
-      default: weigh_values<1>(p, n, v + d0, vs, inv, out + d0); break;
+      case 8: weigh_values<8>(p, n, v + d0, off, inv, out + d0); break;
+      case 7: weigh_values<7>(p, n, v + d0, off, inv, out + d0); break;
+      case 6: weigh_values<6>(p, n, v + d0, off, inv, out + d0); break;
+      case 5: weigh_values<5>(p, n, v + d0, off, inv, out + d0); break;
+      case 4: weigh_values<4>(p, n, v + d0, off, inv, out + d0); break;
+      case 3: weigh_values<3>(p, n, v + d0, off, inv, out + d0); break;
+      case 2: weigh_values<2>(p, n, v + d0, off, inv, out + d0); break;
+      default: weigh_values<1>(p, n, v + d0, off, inv, out + d0); break;
     }
   }
 }
 
-// One query row: out = softmax(scale * q.k_j (soft-capped) + m_j) . v_j over keys j, D % 8 == 0.
+// One query row: out = softmax(scale * q.k_j (soft-capped) + m_j) . v_j over keys j, D % 8 == 0,
+// key j at k + off[j] and value j at v + off[j] (a row's positions, wherever the cache keeps them).
 // Scores go 8 keys at a time, each key's dot product read front to back (so the hardware
 // prefetcher sees one sequential stream) and the 8 sums reduced together; p holds S + 8 floats.
 template <typename KV>
-void attend_row(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs, const float* m, int64_t S,
+void attend_row(const float* q, const KV* k, const KV* v, const int64_t* off, const float* m, int64_t S,
                 int64_t D, float scale, float softcap, float* out, float* p) {
   const float NEG = -std::numeric_limits<float>::infinity();
   const __m256 neg = _mm256_set1_ps(NEG);
@@ -947,12 +949,12 @@ void attend_row(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs
   while (hi - lo >= 8 && masked8(lo)) lo += 8;
   while (lo < hi && m[lo] == NEG) ++lo;
   const int64_t n = hi - lo;
-  k += lo * ks, v += lo * vs, m += lo;
+  off += lo, m += lo;
   __m256 vmax = neg;
   for (int64_t j = 0; j < n; j += 8) {
     const int64_t c = std::min<int64_t>(8, n - j);
     __m256 a[8];
-    for (int i = 0; i < 8; ++i) a[i] = i < c ? key_dot(q, k + (j + i) * ks, D) : _mm256_setzero_ps();
+    for (int i = 0; i < 8; ++i) a[i] = i < c ? key_dot(q, k + off[j + i], D) : _mm256_setzero_ps();
     alignas(32) float t[8];
     __m256 s = _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale));
     if (softcap > 0) {
@@ -981,41 +983,56 @@ void attend_row(const float* q, const KV* k, int64_t ks, const KV* v, int64_t vs
     _mm256_storeu_ps(p + j, e);
     total = _mm256_add_ps(total, e);
   }
-  weigh_all_values(p, n, v, vs, D, n > 0 ? 1.f / hsum(total) : 0.f, out);
+  weigh_all_values(p, n, v, off, D, n > 0 ? 1.f / hsum(total) : 0.f, out);
 }
 
 // q (B, H, R, D) float32 with R = group * T query rows per KV head (row g * T + t is query t);
 // k, v (B, H, S, D) float32 or bfloat16, any strides with unit stride along D; mask (B, 1, T, S)
-// float32, additive. With `rows` (B,) int64, k and v are a whole cache (any number of rows) and
-// batch row b reads cache row rows[b]. Returns (B, H, R, D) float32.
+// float32, additive. With `slots` (B, S) int64, k and v are a cache's slot pools (N, H, D), and
+// row b's key s is in slot slots[b, s] (nothing gathered). Returns (B, H, R, D) float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                  double scale, double softcap, const c10::optional<at::Tensor>& rows) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "attend: 4-d tensors");
+                  double scale, double softcap, const c10::optional<at::Tensor>& slots) {
+  const bool paged = slots.has_value();
+  TORCH_CHECK(q.dim() == 4 && mask.dim() == 4 && k.dim() == (paged ? 3 : 4) && v.sizes() == k.sizes(),
+              "attend: q and mask 4-d; k and v 4-d, or 3-d slot pools with slots");
   TORCH_CHECK(q.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat, "attend: q and mask float32");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               "attend: k and v float32 or bfloat16");
-  int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k.size(2), T = mask.size(2);
-  TORCH_CHECK(!rows.has_value() || (rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == B),
-              "attend: rows (B,) int64");
-  at::Tensor rc = rows.has_value() ? rows->contiguous() : at::Tensor();
-  const int64_t* rp = rows.has_value() ? rc.data_ptr<int64_t>() : nullptr;
-  for (int64_t b = 0; rp && b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < k.size(0), "attend: row out of range");
-  TORCH_CHECK((rows.has_value() || k.size(0) == B) && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes() && D % 8 == 0 &&
-              k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == v.stride(2) && mask.size(0) == B &&
-              mask.size(3) == S && R % T == 0, "attend: shapes");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), T = mask.size(2);
+  const int64_t S = paged ? slots->size(1) : k.size(2);
+  TORCH_CHECK(k.size(1) == H && k.size(-1) == D && D % 8 == 0 && k.stride(-1) == 1 && v.stride(-1) == 1 &&
+              mask.size(0) == B && mask.size(3) == S && R % T == 0 && (paged || k.size(0) == B) &&
+              (!paged || (slots->scalar_type() == at::kLong && slots->dim() == 2 && slots->size(0) == B)),
+              "attend: shapes");
+  // off[b * S + s]: where row b's key s starts, in elements from the pool (or the row), for k and v alike
+  const int64_t key_stride = paged ? k.stride(0) : k.stride(2);
+  TORCH_CHECK(key_stride == (paged ? v.stride(0) : v.stride(2)) && k.stride(1) == v.stride(1) &&
+              k.stride(0) == v.stride(0), "attend: k and v strides");
+  std::vector<int64_t> off(B * S);
+  if (paged) {
+    auto sc = slots->contiguous();
+    const int64_t* sp = sc.data_ptr<int64_t>();
+    for (int64_t i = 0; i < B * S; ++i) {
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "attend: slot out of range");
+      off[i] = sp[i] * key_stride;
+    }
+  } else {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < S; ++s) off[b * S + s] = b * k.stride(0) + s * key_stride;
+  }
   auto qc = q.contiguous();
   auto mc = mask.contiguous();
   auto out = at::empty({B, H, R, D}, q.options());
   const float* qp = qc.data_ptr<float>();
   const float* mp = mc.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t head_stride = k.stride(1);
   auto run = [&](auto* kp, auto* vp, int64_t r0, int64_t r1) {
     std::vector<float> p(S + 8);
     for (int64_t i = r0; i < r1; ++i) {
-      int64_t b = i / (H * R), h = (i / R) % H, r = i % R, row = rp ? rp[b] : b;
-      attend_row(qp + i * D, kp + row * k.stride(0) + h * k.stride(1), k.stride(2), vp + row * v.stride(0) + h * v.stride(1),
-                 v.stride(2), mp + (b * T + r % T) * S, S, D, static_cast<float>(scale), static_cast<float>(softcap),
-                 op + i * D, p.data());
+      int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
+      attend_row(qp + i * D, kp + h * head_stride, vp + h * head_stride, off.data() + b * S, mp + (b * T + r % T) * S,
+                 S, D, static_cast<float>(scale), static_cast<float>(softcap), op + i * D, p.data());
     }
   };
   at::parallel_for(0, B * H * R, 1, [&](int64_t r0, int64_t r1) {
@@ -1365,7 +1382,7 @@ TORCH_LIBRARY(minillm, m) {
   m.def("small_linear(Tensor x, Tensor w) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor scales, Tensor zeros, int groupsize) -> Tensor");
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap, Tensor? rows=None) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, float softcap, Tensor? slots=None) -> Tensor");
   m.def("stream_sum(Tensor t, int streams) -> float");
   m.def("prompt_attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("gated(Tensor gate, Tensor up, int kind) -> Tensor");

@@ -331,12 +331,15 @@ def gated(gate: Tensor, up: Tensor, act) -> Tensor:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float = 0.0,
-           rows: Optional[Tensor] = None) -> Tensor:
+           slots: Optional[Tensor] = None) -> Tensor:
     """Attention of a few query rows per KV head over the keys their additive mask allows:
     q (B, H, group * T, D) (row g * T + t is query t), k and v (B, H, S, D) float32 or bfloat16,
-    or with rows (B,) a whole cache of which batch row b reads cache row rows[b] (no copy);
-    mask (B, 1, T, S). softmax(scale * q k^T, soft-capped when softcap > 0, + mask) v, float32."""
-    return torch.ops.minillm.attend(q.float(), k, v, mask.float(), scale, softcap, rows)
+    or with slots (B, S) a cache's slot pools (N, H, D) of which row b's key s is in slot
+    slots[b, s] (no copy); mask (B, 1, T, S). softmax(scale * q k^T, soft-capped when softcap > 0,
+    + mask) v, float32."""
+    if k.stride() != v.stride():  # the kernel reads key j and value j at one offset
+        k, v = k.contiguous(), v.contiguous()
+    return torch.ops.minillm.attend(q.float(), k, v, mask.float(), scale, softcap, slots)
 
 
 # ---------------------------------------------------------------- the layers install() swaps in
@@ -398,21 +401,34 @@ class CpuAttention(Attention):
     SDPA would cost a mostly fixed overhead per call. An eager prompt of 256 tokens or more
     under a mask is taken in chunks of queries (`attend_in_chunks`)."""
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], rows: Optional[Tensor] = None) -> Tensor:
+    def kernel_attends(self, q: Tensor, mask: Optional[Tensor], dtype: torch.dtype) -> bool:
+        """Whether `attend` takes these queries: a few under a mask, on the CPU, with the kernels."""
+        return (mask is not None and q.device.type == "cpu" and q.shape[2] <= MAX_TOKENS and q.shape[-1] % 8 == 0
+                and dtype in (torch.float32, torch.bfloat16) and available())
+
+    def attend_cache(self, q: Tensor, mask: Tensor, context: Tensor) -> Tensor:
+        B, n_heads, T, head_dim = q.shape
+        cache = self.kv_cache
+        if not self.kernel_attends(q, mask, cache.k_cache.dtype):
+            return super().attend_cache(q, mask, context)
+        # each KV head's query group folded into the query length, as model.Attention does
+        q_groups = q.reshape(B, self.n_kv_heads, -1, head_dim)  # (B, n_kv_heads, group * T, head_dim)
+        y = attend(q_groups, cache.k_cache, cache.v_cache, mask, self.scale or head_dim ** -0.5, self.softcap or 0.0,
+                   context)
+        return y.to(q.dtype).view(B, n_heads, T, head_dim)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
         B, n_heads, T, head_dim = q.shape
         if mask is None or q.device.type != "cpu":
-            return super().attend(q, k, v, mask, rows)
+            return super().attend(q, k, v, mask)
         n_kv_heads, scale = k.shape[1], self.scale or head_dim ** -0.5
         # each KV head's query group folded into the query length, as model.Attention does
         q_groups = q.reshape(B, n_kv_heads, -1, head_dim)  # (B, n_kv_heads, group * T, head_dim)
-        if T <= MAX_TOKENS and k.dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and available():
-            y = attend(q_groups, k, v, mask, scale, self.softcap or 0.0, rows).to(q.dtype)
+        if self.kernel_attends(q, mask, k.dtype):
+            y = attend(q_groups, k, v, mask, scale, self.softcap or 0.0).to(q.dtype)
             return y.view(B, n_heads, T, head_dim)
-        if T >= 2 * PROMPT_QUERY_CHUNK and rows is None and not torch.compiler.is_compiling() and (
-                ONEDNN or not self.softcap):
+        if T >= 2 * PROMPT_QUERY_CHUNK and not torch.compiler.is_compiling() and (ONEDNN or not self.softcap):
             return self.attend_in_chunks(q, k, v, mask)
-        if rows is not None:  # the paths below read a batch's own rows
-            k, v = k[rows], v[rows]
         if T == 1 and torch.compiler.is_compiling():
             # scores (B, n_kv_heads, group, S); the mask (B, 1, 1, S) broadcasts over heads and group
             scores = (q_groups.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1) * scale

@@ -6,33 +6,29 @@ checkpoint's config.json, never guessed from names.
 This is the reference: nn.Linear and SDPA, one path per module. kernels.install(model) swaps in
 the CPU fast paths, qlayers.py its packed linears, tp.py its shards; this file knows none of them.
 
-The KV cache is preallocated to (max_batch_size, n_kv_heads, max_seq_length, head_dim) and
-written in place, so one decode step has static shapes and compiles to a single graph.
-Batches of prompts of different lengths are left-padded: all rows share the cache slots
-(`input_pos`), each row's RoPE positions are shifted by its padding (`pad`), and the mask hides
-each row's padding slots. A continuously batched step (engine.BatchEngine) instead gives each
-row its own positions, `input_pos` (B, T), and its own cache row, `rows` (B,): requests at
-different points of their generation share one forward pass.
-
-Sliding-window layers keep only the last `sliding_window` positions, in a ring buffer
-(`RingKVCache`), so their memory does not grow with max_seq_length.
+The KV cache is paged: every layer keeps its keys and values in one preallocated pool of slots
+(`KVCache`), and a forward's `ForwardBatch` says where each token's key and value go and which
+slots hold each row's earlier positions, through the row's block table (the engine hands the
+blocks out). A step's rows are sequences at any point of their generation, each at its own
+positions; nothing is copied when sequences share a prefix's blocks.
 """
 import json
 import math
 import types
 import typing
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from rope import ROPE_TYPES, Rotary, apply_rope, rope_inv_freq
+
 ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "qwen3", "olmo2", "smollm3",
                  "granite", "phi3", "mixtral", "qwen3_moe", "gpt_oss")
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
@@ -215,63 +211,58 @@ class ModelArgs:
         return asdict(self)
 
 
-class KVCache(nn.Module):
-    """Keys and values of every position so far, written in place at `input_pos`."""
+@dataclass
+class ForwardBatch:
+    """What one forward computes: B rows of T tokens (a shorter row is padded at its end), each
+    token at its position in its sequence. Keys and values live in the layers' slot pools: token
+    (b, t) writes slot slots[b, t], and row b's queries read the keys of its positions 0..kv_len-1,
+    held in the slots its block table names (position p: block_table[b, p // block_size] *
+    block_size + p % block_size), each query the ones at or before its own position."""
+    positions: Tensor  # (B, T) int64: each token's position in its sequence
+    slots: Tensor  # (B, T) int64: where each token's key and value go (padding: a scratch slot)
+    block_table: Tensor  # (B, blocks) int64: each row's blocks, in position order
+    block_size: int
+    kv_len: int  # the positions a row's queries may read, 0..kv_len-1, the same for every row
+    last: Optional[Tensor] = None  # (B, 1) int64: only this token of each row goes through the last layer
+    logit_rows: Optional[Tensor] = None  # (L,): the rows whose logits are wanted; None: all
+    fresh: bool = False  # nothing cached before these tokens: attention reads the chunk's own keys
 
-    def __init__(self, max_batch_size, n_kv_heads, max_seq_length, head_dim, dtype, device=None):
+    def context(self) -> Tensor:
+        """(B, kv_len) the slot of each row's positions 0..kv_len-1."""
+        offsets = torch.arange(self.block_size, device=self.block_table.device)
+        slots = (self.block_table.unsqueeze(-1) * self.block_size + offsets).flatten(1)  # (B, blocks * block_size)
+        return slots[:, :self.kv_len]
+
+    @staticmethod
+    def rows(input_pos: Tensor, batch_size: int, row_length: int, kv_len: Optional[int] = None,
+             **options) -> "ForwardBatch":
+        """Row b in slots b * row_length onwards, one block a row (what setup_caches(batch_size,
+        row_length) lays out for callers that do not page): input_pos (T,) shared, or (B, T)."""
+        positions = input_pos.view(-1, input_pos.shape[-1]).expand(batch_size, -1)
+        first = torch.arange(batch_size, device=input_pos.device).unsqueeze(1)  # (B, 1) each row's block
+        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+        return ForwardBatch(positions, first * row_length + positions, first, row_length, kv_len, **options)
+
+
+class KVCache(nn.Module):
+    """One layer's keys and values: a pool of slots (num_slots, n_kv_heads, head_dim), written and
+    read through a ForwardBatch's slots and block tables."""
+
+    def __init__(self, num_slots: int, n_kv_heads: int, head_dim: int, dtype, device=None):
         super().__init__()
-        shape = (max_batch_size, n_kv_heads, max_seq_length, head_dim)
+        shape = (num_slots, n_kv_heads, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def rows(self, B: int):
-        # a batch smaller than the cache uses its first rows; a full batch writes the buffers
-        # themselves, since writing into a slice makes the compiled graph copy the whole cache
-        if B == self.k_cache.shape[0]:
-            return self.k_cache, self.v_cache
-        return self.k_cache[:B], self.v_cache[:B]
+    def write(self, slots: Tensor, k: Tensor, v: Tensor):
+        """k, v (B, n_kv_heads, T, head_dim) to slots (B, T)."""
+        flat = slots.reshape(-1)
+        self.k_cache.index_copy_(0, flat, k.transpose(1, 2).reshape(flat.shape[0], *k.shape[1::2]))
+        self.v_cache.index_copy_(0, flat, v.transpose(1, 2).reshape(flat.shape[0], *v.shape[1::2]))
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Optional[Tensor] = None):
-        """k, v: (B, n_kv_heads, T, head_dim), written at slots input_pos (T,) of cache rows 0..B-1,
-        or, with rows (B,), at input_pos (B, T) of cache row rows[b]. Returns (keys, values, rows):
-        the cache rows the batch's row b reads are rows[b] (None: row b)."""
-        if rows is not None:  # (B, 1) and (B, T) index (B, T) cells; dims go (B, T, n_kv_heads, head_dim)
-            self.k_cache[rows.view(-1, 1), :, input_pos] = k.transpose(1, 2)
-            self.v_cache[rows.view(-1, 1), :, input_pos] = v.transpose(1, 2)
-            return self.k_cache, self.v_cache, rows
-        k_cache, v_cache = self.rows(k.shape[0])
-        k_cache.index_copy_(2, input_pos, k)
-        v_cache.index_copy_(2, input_pos, v)
-        return k_cache, v_cache, None
-
-
-class RingKVCache(KVCache):
-    """The last `window` positions of a sliding-window layer: position p lives in slot p % window.
-
-    update() returns the cache as it was *before* this chunk, followed by the chunk's own keys
-    and values (B, n_kv_heads, window + T, head_dim), and then writes the chunk's last `window`
-    positions into the ring. So a query sees every key of its window even when the chunk is
-    longer than the window or overwrites slots that earlier queries of the chunk still need.
-    Transformer.masks gives each of those window + T keys its absolute position.
-    """
-
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Optional[Tensor] = None):
-        T, window = k.shape[2], self.k_cache.shape[2]
-        n = min(T, window)  # older positions of the chunk would be overwritten within it anyway
-        if rows is not None:  # each row its own cache row and positions, as in KVCache.update
-            k_all = torch.cat([self.k_cache[rows], k], dim=2)
-            v_all = torch.cat([self.v_cache[rows], v], dim=2)
-            slots = input_pos[:, -n:] % window  # (B, n)
-            self.k_cache[rows.view(-1, 1), :, slots] = k[:, :, -n:].transpose(1, 2)
-            self.v_cache[rows.view(-1, 1), :, slots] = v[:, :, -n:].transpose(1, 2)
-            return k_all, v_all, None
-        k_cache, v_cache = self.rows(k.shape[0])
-        k_all = torch.cat([k_cache, k], dim=2)
-        v_all = torch.cat([v_cache, v], dim=2)
-        slots = input_pos[-n:] % window
-        k_cache.index_copy_(2, slots, k[:, :, -n:])
-        v_cache.index_copy_(2, slots, v[:, :, -n:])
-        return k_all, v_all, None
+    def read(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values of slots context (B, S): (B, n_kv_heads, S, head_dim) each, copied."""
+        return self.k_cache[context].transpose(1, 2), self.v_cache[context].transpose(1, 2)
 
 
 class RMSNorm(nn.Module):
@@ -287,72 +278,6 @@ class RMSNorm(nn.Module):
         if self.weight_offset:  # Gemma scales by (1 + w) in float32 and rounds once, as its reference does
             return (xf * (self.weight_offset + self.weight.float())).type_as(x)
         return self.weight * xf.type_as(x)
-
-
-def rope_inv_freq(args: ModelArgs, long: bool = False) -> tuple[Tensor, float]:
-    """Inverse frequencies (rope_dim/2,) and the cos/sin scale, for every static RoPE variant.
-    Dynamic NTK and LongRoPE depend on the sequence length and are finished in `Transformer.rope`
-    (long: LongRoPE's frequencies for sequences past original_max_position_embeddings)."""
-    head_dim, base = args.rope_dim or args.head_dim, args.rope_theta  # the rotated dims only
-    wavelengths = base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    inv_freq = 1.0 / wavelengths
-    scaling = args.rope_scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind == "linear":  # position interpolation (Chen et al. 2023): positions / factor
-        return inv_freq / scaling["factor"], 1.0
-    if kind == "llama3":  # Llama 3.1: scale long wavelengths, keep short ones, blend between
-        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_ctx / wavelen - lo) / (hi - lo)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        out = torch.where(wavelen > old_ctx / lo, inv_freq / factor, blended)
-        return torch.where(wavelen < old_ctx / hi, inv_freq, out), 1.0
-    if kind == "yarn":  # YaRN (Peng et al. 2023), eq. 15-20: ramp between interpolation and extrapolation
-        factor = scaling["factor"]
-        orig = scaling.get("original_max_position_embeddings") or args.max_position_embeddings
-
-        def mscale(scale, m=1.0):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        attn_factor = scaling.get("attention_factor")
-        if attn_factor is None:
-            if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-                attn_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
-            else:
-                attn_factor = mscale(factor)
-
-        def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times in orig
-            return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
-        if scaling.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrapolate = 1 - ramp  # 1 for high-frequency dims, which keep their original frequency
-        return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attn_factor)
-    if kind == "longrope":  # LongRoPE (Ding et al. 2024): searched per-dimension factors, short or long
-        orig = scaling["original_max_position_embeddings"]
-        factor = scaling.get("factor") or args.max_position_embeddings / orig
-        attn_factor = scaling.get("attention_factor")
-        if attn_factor is None:
-            attn_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
-        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
-        return 1.0 / (factors * wavelengths), float(attn_factor)
-    return inv_freq, 1.0  # default and dynamic
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (B, n_heads, T, head_dim), cos/sin: (B, 1, T, rope_dim/2); HF "rotate_half" layout
-    rope_dim = 2 * cos.shape[-1]
-    if rope_dim < x.shape[-1]:  # partial rotary: the trailing dims pass through unrotated
-        return torch.cat([apply_rope(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], dim=-1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.type_as(x)
 
 
 # Above this many tokens a prefill from slot 0 uses SDPA's causal mask rather than our additive one:
@@ -380,12 +305,11 @@ class Attention(nn.Module):
         self.softcap = args.attn_logit_softcapping
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor], input_pos: Tensor,
-                last_logits_only: bool = False, rows: Optional[Tensor] = None) -> Tensor:
-        """mask: additive (B, 1, T, S), or None for a whole sequence from slot 0 (causal, S = T).
-        last_logits_only: every position's keys and values go to the cache, but only the last
-        position's output is computed (the last layer of a prefill). rows: each batch row's
-        cache row (Transformer.forward)."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor], batch: "ForwardBatch",
+                context: Optional[Tensor], last: bool = False) -> Tensor:
+        """mask: additive (B, 1, T, S) over the keys read, or None for a fresh chunk's causal
+        attention; context (B, S): the slots those keys are in (None: a fresh chunk reads its own).
+        last: the last layer, where only batch.last's token of each row (if given) goes on."""
         B, T, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -398,34 +322,38 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:  # SmolLM3's NoPE layers skip it
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # (B or cache rows, n_kv_heads, S, head_dim); a ring cache: S = window + T
-        k, v, rows = self.kv_cache.update(input_pos, k, v, rows)
-        S = T if mask is None else mask.shape[-1]  # the keys the mask covers: prefill skips the cache's empty tail
-        k, v = k[:, :, :S], v[:, :, :S]
-        if last_logits_only:
-            q, mask, T = q[:, :, -1:], None if mask is None else mask[:, :, -1:], 1
-        y = self.attend(q, k, v, mask, rows)  # (B, n_heads, T, head_dim)
+        self.kv_cache.write(batch.slots, k, v)
+        if last and batch.last is not None:  # the only query whose output goes on: (B, n_heads, 1, head_dim)
+            q = q.gather(2, batch.last.view(B, 1, 1, 1).expand(B, nh, 1, hd))
+            if mask is not None:
+                mask = mask.gather(2, batch.last.view(B, 1, 1, 1).expand(B, 1, 1, mask.shape[-1]))
+            T = 1
+        if context is None:
+            y = self.attend(q, k, v, mask)  # (B, n_heads, T, head_dim)
+        else:
+            y = self.attend_cache(q, mask, context)
         if self.sinks is not None:  # the sink's exp(logit) joins the softmax's sum: every weight shrinks
-            y = y * torch.sigmoid(self.logsumexp(q, k, mask, rows) - self.sinks.view(1, -1, 1, 1)).type_as(y)
+            keys = k if context is None else self.kv_cache.read(context)[0]
+            y = y * torch.sigmoid(self.logsumexp(q, keys, mask) - self.sinks.view(1, -1, 1, 1)).type_as(y)
         return self.wo(y.transpose(1, 2).reshape(B, T, nh * hd))
 
-    def logsumexp(self, q: Tensor, k: Tensor, mask: Optional[Tensor], rows: Optional[Tensor]) -> Tensor:
+    def logsumexp(self, q: Tensor, k: Tensor, mask: Optional[Tensor]) -> Tensor:
         """log of the softmax's sum over the keys attend() weighs, per query: (B, n_heads, T, 1) float32."""
-        if rows is not None:
-            k = k[rows]
         B, nh, T, hd = q.shape
         scores = q.reshape(B, k.shape[1], -1, hd) @ k.transpose(-2, -1)  # (B, n_kv_heads, group*T, S)
         scores = scores.float().view(B, nh, T, -1) * (self.scale or hd ** -0.5)  # (B, n_heads, T, S)
-        if mask is None:  # a whole sequence from slot 0: causal
+        if mask is None:  # a fresh chunk: causal
             mask = torch.full((T, T), float("-inf"), device=q.device).triu(1)
         return torch.logsumexp(scores + mask.float(), dim=-1, keepdim=True)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], rows: Optional[Tensor] = None) -> Tensor:
+    def attend_cache(self, q: Tensor, mask: Tensor, context: Tensor) -> Tensor:
+        """attend() over the cached keys and values of slots context (B, S), gathered."""
+        k, v = self.kv_cache.read(context)
+        return self.attend(q, k, v, mask)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
         """softmax(scale * q k^T + mask) v: q (B, n_heads, T, head_dim), k and v
-        (B, n_kv_heads, S, head_dim), or, with rows (B,), the whole cache of which row b reads
-        rows[b]; mask (B, 1, T, S) or None (causal). Returns q's shape."""
-        if rows is not None:
-            k, v = k[rows], v[rows]
+        (B, n_kv_heads, S, head_dim); mask (B, 1, T, S) or None (causal). Returns q's shape."""
         B, nh, T, hd = q.shape
         if mask is None:  # SDPA's own causal mask; the last position alone sees every key
             return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=True)
@@ -577,10 +505,12 @@ class TransformerBlock(nn.Module):
         self.post_ffn_norm = norm() if args.post_norms else nn.Identity()
         self.residual_multiplier = args.residual_multiplier
 
-    def forward(self, x, cos, sin, masks, input_pos, last_logits_only: bool = False, rows=None):
+    def forward(self, x, cos, sin, masks, batch: ForwardBatch, context: Optional[Tensor], last: bool = False):
         mask = masks[1] if self.attention.sliding else masks[0]
-        a = self.attention(self.attention_norm(x), cos, sin, mask, input_pos, last_logits_only, rows)
-        h = (x[:, -1:] if last_logits_only else x) + self.post_attention_norm(a) * self.residual_multiplier
+        a = self.attention(self.attention_norm(x), cos, sin, mask, batch, context, last)
+        if last and batch.last is not None:  # the residual of the tokens that go on
+            x = x.gather(1, batch.last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
+        h = x + self.post_attention_norm(a) * self.residual_multiplier
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))) * self.residual_multiplier
 
 
@@ -602,131 +532,68 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.max_batch_size = self.max_seq_length = -1
-        self.ring_window: Optional[int] = None  # set when sliding layers keep a ring cache
+        self.max_batch_size = self.max_seq_length = self.num_slots = -1
         self.regional = False  # under torch.compile: compile one layer and reuse it (block_region)
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
-        """Preallocate every layer's KV cache; call again to resize (the old contents are lost)."""
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None,
+                     num_slots: Optional[int] = None):
+        """Preallocate every layer's slot pool, num_slots of them (default max_batch_size *
+        max_seq_length: ForwardBatch.rows' layout, row b from slot b * max_seq_length); call again
+        to resize (the old contents are lost)."""
         dtype = dtype or self.norm.weight.dtype  # norms stay float in quantized models too
         device = device or self.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        self.num_slots = num_slots or max_batch_size * max_seq_length
         # RoPE tables live with the caches, so a model built on the meta device needs no re-init
-        inv_freq, self.rope_scale = rope_inv_freq(self.args)
-        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        if (self.args.rope_scaling or {}).get("rope_type") == "longrope":
-            self.register_buffer("long_inv_freq", rope_inv_freq(self.args, long=True)[0].to(device), persistent=False)
-        if self.args.rope_local_theta:
-            local, _ = rope_inv_freq(replace(self.args, rope_theta=self.args.rope_local_theta, rope_scaling=None))
-            self.register_buffer("local_inv_freq", local.to(device), persistent=False)
-        # A sliding layer never looks further back than its window: a window-sized ring suffices
-        window = self.args.sliding_window
-        self.ring_window = window if window and window < max_seq_length else None
+        self.rotary = Rotary(self.args, device=device)
+        self.local_rotary = Rotary(self.args, local=True, device=device) if self.args.rope_local_theta else None
         for layer in self.layers:
             a = layer.attention
-            ring = a.sliding and self.ring_window is not None
-            cache = RingKVCache if ring else KVCache
-            a.kv_cache = cache(max_batch_size, a.n_kv_heads, window if ring else max_seq_length, a.head_dim,
-                               dtype, device)
+            a.kv_cache = KVCache(self.num_slots, a.n_kv_heads, a.head_dim, dtype, device)
 
-    def copy_cache(self, src: int, dst: int, start: int, end: int):
-        """Positions [start, end) of cache row dst from row src: a beginning that another request
-        computed (not for ring caches, whose slots are not positions)."""
-        for layer in self.layers:
-            c = layer.attention.kv_cache
-            c.k_cache[dst, :, start:end] = c.k_cache[src, :, start:end]
-            c.v_cache[dst, :, start:end] = c.v_cache[src, :, start:end]
-
-    def rope(self, positions: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
-        """cos, sin of shape (B, 1, T, head_dim/2) for RoPE positions (B, T); local: the
-        sliding layers' own unscaled base (rope_local_theta)."""
-        if local:
-            angles = positions.unsqueeze(-1).float() * self.local_inv_freq  # (B, T, head_dim/2)
-            return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-        inv_freq = self.inv_freq
-        scaling = self.args.rope_scaling or {}
-        if scaling.get("rope_type") == "dynamic":
-            # Dynamic NTK: stretch the base once the sequence outgrows the trained context.
-            head_dim, orig = self.args.rope_dim or self.args.head_dim, self.args.max_position_embeddings
-            seq_len = (positions.max() + 1).float().clamp(min=orig)
-            factor = scaling["factor"]
-            base = self.args.rope_theta * ((factor * seq_len / orig) - (factor - 1)) ** (head_dim / (head_dim - 2))
-            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-            inv_freq = 1.0 / base ** exponent
-        if scaling.get("rope_type") == "longrope":  # the long factors once the sequence outgrows the original context
-            long = positions.max() + 1 > scaling["original_max_position_embeddings"]
-            inv_freq = torch.where(long, self.long_inv_freq, inv_freq)
-        angles = positions.unsqueeze(-1).float() * inv_freq  # (B, T, head_dim/2)
-        cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
-        return cos.unsqueeze(1), sin.unsqueeze(1)
-
-    def masks(self, input_pos: Tensor, pad: Tensor, dtype: torch.dtype, kv_len: int,
+    def masks(self, positions: Tensor, kv_len: int, dtype: torch.dtype,
               sdpa_causal: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        """Additive (B, 1, T, S) masks, 0 where a query may attend and -inf elsewhere:
-        (global, sliding window). Additive masks run faster than boolean ones in CPU SDPA.
-        With a ring cache the sliding mask is (B, 1, T, window + T), over RingKVCache.update's keys.
-        sdpa_causal: the global mask is None (Attention then uses SDPA's own causal mask).
-        input_pos is (T,), shared by the rows, or (B, T), each row's own (pad is then zero)."""
-        T = input_pos.shape[-1]
-        query_pos = input_pos.view(-1, T, 1)  # (1 or B, T, 1) cache slot of each query
-
-        def allowed(key_pos):  # (B, T, S) for keys at absolute positions (1, 1, S): not the future, not padding
-            causal = (key_pos <= query_pos) & (key_pos >= pad.view(-1, 1, 1))
-            return causal | (key_pos == query_pos)  # a padding query sees itself, so its softmax has no empty row
-
-        key_pos = torch.arange(kv_len, device=input_pos.device).view(1, 1, -1)  # (1, 1, S) the slots in use
-        causal = allowed(key_pos)
+        """Additive (B, 1, T, kv_len) masks over keys at positions 0..kv_len-1, 0 where a query at
+        positions (B, T) may attend and -inf elsewhere: (global, sliding window). Additive masks run
+        faster than boolean ones in CPU SDPA. sdpa_causal: the global mask is None (SDPA's own)."""
+        query_pos = positions.unsqueeze(-1)  # (B, T, 1)
+        key_pos = torch.arange(kv_len, device=positions.device).view(1, 1, -1)  # (1, 1, S)
+        causal = key_pos <= query_pos
         window = self.args.sliding_window
-        if self.ring_window:
-            # before this chunk, ring slot j holds the last position = j (mod window); negative: empty
-            start, w = input_pos.view(-1, T)[:, :1], self.ring_window  # (1 or B, 1)
-            ring = start - w + (torch.arange(w, device=input_pos.device) - start) % w  # (1 or B, window)
-            key_pos = torch.cat([ring, input_pos.view(-1, T)], dim=1).unsqueeze(1)  # (1 or B, 1, window + T)
-        local = allowed(key_pos) & (query_pos - key_pos < window) if window else causal
 
         def additive(allowed):
             return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
                 ~allowed, float("-inf")).unsqueeze(1)
 
-        return None if sdpa_causal else additive(causal), (additive(local) if window else None)
+        local = additive(causal & (query_pos - key_pos < window)) if window else None
+        return None if sdpa_causal else additive(causal), local
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, pad: Optional[Tensor] = None,
-                last_logits_only: bool = False, kv_len: Optional[int] = None, rows: Optional[Tensor] = None,
-                logit_rows: Optional[Tensor] = None) -> Tensor:
-        """tokens: (B, T) ids written at cache slots input_pos (T,); pad: (B,) left-padding per
-        row; kv_len: cache slots in use after this chunk (the largest, over the rows), when the
-        caller knows it, so attention skips the empty rest of the cache. rows (B,): row b is
-        a request of its own, in cache row rows[b] at positions input_pos[b] (B, T), from 0
-        (continuous batching; no pad). logit_rows (L,): the batch rows whose logits are wanted
-        (a prompt token riding in a decode step needs none). Returns float logits (B, T, vocab),
-        (B, 1, vocab) for the last position only, or (L, T, vocab)."""
-        assert self.max_seq_length > 0, "call setup_caches() first"
-        B, no_pad = tokens.shape[0], pad is None
-        if pad is None:
-            pad = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        if rows is not None:
-            positions = input_pos  # (B, T) each row's own
-        else:
-            positions = input_pos.view(1, -1) - pad.view(-1, 1)  # (B, T) each row counts from its first token
-        cos, sin = self.rope(positions)
-        local_rope = self.rope(positions, local=True) if self.args.rope_local_theta else (cos, sin)
+    def forward(self, tokens: Tensor, batch: Union[ForwardBatch, Tensor]) -> Tensor:
+        """tokens (B, T) at batch's positions, or at input_pos (T,) or (B, T) in rows 0..B-1 of the
+        layout setup_caches(max_batch_size, max_seq_length) gives (ForwardBatch.rows, reading the
+        whole row). Returns float logits (B, T, vocab); (B, 1, vocab) with batch.last; only
+        batch.logit_rows' rows with those."""
+        assert self.num_slots > 0, "call setup_caches() first"
+        if isinstance(batch, Tensor):
+            batch = ForwardBatch.rows(batch, tokens.shape[0], self.max_seq_length, kv_len=self.max_seq_length)
+        B, T = tokens.shape
+        cos, sin = self.rotary(batch.positions)
+        local_rope = self.local_rotary(batch.positions) if self.local_rotary is not None else (cos, sin)
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         if self.args.embedding_scale:  # the scale rounded to the model dtype first, as Gemma's reference does
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
-        # a whole sequence from slot 0: full-attention layers use SDPA's causal mask
-        T = tokens.shape[1]
-        sdpa_causal = no_pad and kv_len == T and T > CAUSAL_SDPA_MIN_TOKENS and not self.args.attn_logit_softcapping
-        masks = self.masks(input_pos, pad, x.dtype, kv_len or self.max_seq_length, sdpa_causal)
+        # one whole sequence from position 0: full-attention layers use SDPA's causal mask
+        sdpa_causal = batch.fresh and B == 1 and T > CAUSAL_SDPA_MIN_TOKENS and not self.args.attn_logit_softcapping
+        masks = self.masks(batch.positions, T if batch.fresh else batch.kv_len, x.dtype, sdpa_causal)
+        context = None if batch.fresh else batch.context()  # (B, kv_len), shared by the layers
         for i, layer in enumerate(self.layers):
             c, s = local_rope if layer.attention.sliding else (cos, sin)
-            # prefill needs only the next token's logits: past the last layer's keys and values
-            # (the cache needs them), compute the last position only, and skip the vocab matmul
-            # for the rest
+            # past the last layer's keys and values (the cache needs them), a prefill needs only the
+            # next token's output: the last layer computes batch.last's token alone
             x = (block_region if self.regional else TransformerBlock.__call__)(
-                layer, x, c, s, masks, input_pos, last_logits_only=last_logits_only and i == len(self.layers) - 1,
-                rows=rows)
-        if logit_rows is not None:
-            x = x[logit_rows]
+                layer, x, c, s, masks, batch, context, last=i == len(self.layers) - 1)
+        if batch.logit_rows is not None:
+            x = x[batch.logit_rows]
         logits = self.output(self.norm(x))
         if self.args.logits_scaling != 1.0:
             logits = logits / self.args.logits_scaling
@@ -752,5 +619,5 @@ def param_bytes(model: nn.Module, tokens: int = 1) -> int:
         args = model.args
         read = min(args.n_experts, tokens * args.n_experts_per_token) / args.n_experts
     return round(sum(t.numel() * t.element_size() * (read if n.startswith(experts) else 1.0) for n, t in tensors.items()
-                     if n not in ("inv_freq", "local_inv_freq", "long_inv_freq")
+                     if not n.startswith(("rotary.", "local_rotary."))
                      and not (untied and n.startswith("tok_embeddings."))))

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible HTTP API over engine.BatchEngine, for serve.py: a request checked into Params
+"""The OpenAI-compatible HTTP API over engine.Engine, for serve.py: a request checked into Params
 (its fields: openai_request.py; messages and tools: chat_tools.py) with its chat or completion prompt
 and its constraint, each choice's text and logprobs as the engine produces them, and the Starlette
 routes (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics). Requests reach the
-engine through BatchEngine.submit; the engine loop (serve.py) posts each choice's events back to the
+engine through Engine.submit; the engine loop (serve.py) posts each choice's events back to the
 request's coroutine with loop.call_soon_threadsafe.
 """
 import asyncio
@@ -21,16 +21,17 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from chat_tools import chat_messages, parse_tools, tool_calls, tool_functions
-from engine import BatchEngine, QueueFull, Request, log
+from engine import Engine, log
 from errors import UserError
 from grammar import Grammars
 from openai_request import (CONSTRAINT_FIELDS, MAX_N, APIError, Params, check_fields, parse_logprobs, parse_sampling,
                             parse_stop)
+from scheduler import QueueFull, Request
 from tokenizer import StopStrings, Tokenizer
 
 
 class Server:
-    def __init__(self, engine: BatchEngine, tokenizer: Tokenizer, model_name: str, api_key: Optional[str] = None,
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: Optional[str] = None,
                  checkpoint_dir: Optional[Path] = None):
         from prometheus_client import CollectorRegistry, Histogram
 
@@ -292,21 +293,28 @@ class Choice:
 class EngineCollector:
     """Prometheus figures read from the engine when /metrics is scraped."""
 
-    def __init__(self, engine: BatchEngine):
+    def __init__(self, engine: Engine):
         self.engine = engine
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         running, waiting = self.engine.counts()
-        yield GaugeMetricFamily("minillm_requests_running", "Requests in a slot", value=running)
-        yield GaugeMetricFamily("minillm_requests_waiting", "Requests waiting for a slot", value=waiting)
+        yield GaugeMetricFamily("minillm_requests_running", "Requests running", value=running)
+        yield GaugeMetricFamily("minillm_requests_waiting", "Requests waiting to run", value=waiting)
+        blocks = self.engine.blocks
+        yield GaugeMetricFamily("minillm_kv_cache_usage", "Fraction of the KV cache's blocks held by requests",
+                                value=blocks.used_count() / blocks.num_blocks)
+        yield GaugeMetricFamily("minillm_kv_cache_blocks_total", "Blocks in the KV cache", value=blocks.num_blocks)
         c = self.engine.counters
         for name, key, text in [
             ("minillm_generation_tokens", "generated_tokens", "Tokens generated"),
             ("minillm_prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests"),
-            ("minillm_prefill_tokens", "prefilled_tokens", "Prompt tokens prefilled (not found in a slot's cache)"),
-            ("minillm_prompt_tokens_cached", "cached_tokens", "Prompt tokens reused from a slot's cache"),
+            ("minillm_prefill_tokens", "prefilled_tokens", "Prompt tokens prefilled (not found in the prefix cache)"),
+            ("minillm_prompt_tokens_cached", "cached_tokens", "Prompt tokens found in the prefix cache"),
+            ("minillm_prefix_cache_queries", "prefix_queries", "Tokens looked up in the prefix cache"),
+            ("minillm_prefix_cache_hits", "prefix_hits", "Tokens found in the prefix cache"),
+            ("minillm_preemptions", "preemptions", "Requests preempted for want of KV cache blocks"),
             ("minillm_requests_finished", "requests_finished", "Requests finished, for any reason"),
         ]:
             yield CounterMetricFamily(name, text, value=c[key])

@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server over engine.BatchEngine: continuous batching, prefix reuse.
+"""An OpenAI-compatible HTTP server over engine.Engine: continuous batching over a paged KV cache,
+a prefix cache shared by the requests.
 
     python serve.py --checkpoint checkpoints/smollm2-135m [--port 8000]
     curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
@@ -17,7 +18,7 @@ with `tool_choice` "required" or naming a function, the output is constrained to
 (no tool call is detected in free text). A conversation may carry an assistant's `tool_calls` and
 the `tool` messages that answer them.
 
-The main thread owns the model and calls BatchEngine.step() while there is work. The HTTP side
+The main thread owns the model and calls Engine.step() while there is work. The HTTP side
 (openai_api.py: Starlette on uvicorn's asyncio loop, in a thread of its own) checks each request,
 submits it, and receives its text through an asyncio.Queue that the engine feeds with
 loop.call_soon_threadsafe. Under torchrun, rank 0 serves HTTP and sends every step's plan to the
@@ -39,13 +40,14 @@ import torch
 import checkpoint
 import kernels
 from compile import COMPILE_MODES
-from engine import (BatchEngine, StepPlan, buckets, check_longrope_batching, check_vocabulary, decode_logits,
-                    load_model, log, longrope_switch, meta_model, parse_device, parse_dtype, preflight,
-                    trained_context)
+from engine import BLOCK_SIZE, Engine, buckets, log
+from loading import check_vocabulary, load_model, meta_model, parse_device, parse_dtype, preflight
 from errors import UserError, run_cli
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
 from model import param_bytes
 from openai_api import Server, build_app
+from rope import recompute_position, trained_context
+from scheduler import StepPlan
 from tokenizer import Tokenizer
 from tp import MODES as TP_MODES, init_from_env
 
@@ -53,15 +55,15 @@ from tp import MODES as TP_MODES, init_from_env
 # ---------------------------------------------------------------- start-up
 
 def memory_needs(model, args, dtype) -> list:
-    """What BatchEngine allocates beside the weights, given the model as load_model builds it (a
-    rank's shard): a cache row per slot and a scratch row, a step's logits (a row per slot), and a
-    step's activations (a prefill chunk, or a row per slot) with one layer's keys and values that
-    the slots' rows gather."""
+    """What the engine allocates beside the weights, given the model as load_model builds it (a
+    rank's shard): the KV cache's blocks and a scratch block, a step's logits (a row per running
+    request), and a step's activations (a prefill chunk, or a row per request) with one layer's keys
+    and values that its rows gather."""
     rows, length = args.max_batch_size + 1, args.max_seq_length
-    cache = kv_cache_bytes(model, rows, length, dtype)
+    cache = kv_cache_bytes(model, 1, kv_tokens(args) + BLOCK_SIZE, dtype)
     step = max(min(args.prefill_chunk, length), rows)  # tokens in one forward
-    return [Need("the KV cache", cache, "lower --max_batch_size or --max_seq_length",
-                 f" for {args.max_batch_size} + 1 rows of {length} tokens"),
+    return [Need("the KV cache", cache, "lower --kv_cache_tokens (or --max_batch_size, --max_seq_length)",
+                 f" for {kv_tokens(args)} tokens"),
             Need("the logits", logits_bytes(model.args.vocab_size, rows), "lower --max_batch_size", f" of {rows} rows"),
             Need("a step's activations", activation_bytes(model.args, step, length, dtype) + cache // len(model.layers),
                  "lower --prefill_chunk, --max_batch_size or --max_seq_length"),
@@ -79,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max_batch_size", type=int, default=16, help="requests decoded together (cache rows)")
+    p.add_argument("--max_batch_size", type=int, default=16, help="requests running at once (the rows of a step)")
+    p.add_argument("--kv_cache_tokens", type=int, default=None,
+                   help="the KV cache, in tokens, that the running requests share (blocks of "
+                        f"{BLOCK_SIZE}; default: --max_batch_size x --max_seq_length)")
     p.add_argument("--max_seq_length", type=int, default=None,
                    help="tokens per request: prompt + output (default: 4096, or the model's trained context if shorter)")
     p.add_argument("--extend_context", action="store_true",
@@ -92,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU, float weights: keep a second copy of the weights in oneDNN's layout, for faster steps of "
                         "many rows (--no-prepack saves that memory)")
     p.add_argument("--prefix_reuse", action=argparse.BooleanOptionalAction, default=True,
-                   help="a request takes the free slot whose cache shares the longest beginning with its prompt "
-                        "and prefills only the rest (default: on)")
+                   help="the prefix cache: a request uses the cached blocks of the longest beginning it shares with "
+                        "earlier requests and prefills only the rest (default: on)")
     p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
                    help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
                         "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
@@ -120,6 +125,8 @@ def check_args(args):
             raise UserError(f"--{name} must be at least 1")
     if args.max_seq_length is not None and args.max_seq_length < 2:
         raise UserError("--max_seq_length must be at least 2")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < BLOCK_SIZE:
+        raise UserError(f"--kv_cache_tokens must be at least {BLOCK_SIZE}")
     if not 0 < args.port < 65536:
         raise UserError("--port must be in 1..65535")
     if not 0 <= args.shutdown_timeout < float("inf"):
@@ -136,22 +143,28 @@ def check_context(args, config):
         log(f"warning: {where}; the output usually degrades there")
 
 
-def warm_up(engine: BatchEngine):
+def kv_tokens(args) -> int:
+    return args.kv_cache_tokens or args.max_batch_size * args.max_seq_length
+
+
+def warm_up(engine: Engine):
     """Compile the decode step before serving (a request would otherwise wait for the compiler in
-    the middle of serving), on the scratch row. On CPU: two batch sizes (one with prompt rows,
+    the middle of serving), on the scratch block. On CPU: two batch sizes (one with prompt rows,
     which need no logits) and two cache lengths, the second step changing all three at once so
     that one recompile makes the graph general in them; then steps of as many rows, and as many
     logits, as make the float products change kernels (kernels.compiled_onednn_min_tokens), which
     compile apart. On CUDA the step is general from the first compile: every shape a step takes
     (power-of-two rows, each cache bucket), twice, so that each is recorded as a CUDA graph."""
-    if engine.decode is decode_logits:  # not compiled
+    if not engine.compiled:
         return
     start = time.perf_counter()
     log("compiling the decode step (a minute or more the first time, cached on disk afterwards)...")
-    row, B, fused = engine.scratch_row, engine.max_batch_size, engine.fused_rows
+    B, fused = engine.max_batch_size, engine.scheduler.fused_rows
 
     def step(decoding: int, prompt: int, pos: int) -> StepPlan:
-        return StepPlan(decode=[(row, 0, pos)] * decoding, fused=[(row, [0] * prompt, pos)] if prompt else [])
+        """decoding rows that want logits, and a prompt's rows beside them (its last one wants its logits)."""
+        rides = [(0, pos, [])] * (decoding + prompt)  # no blocks: every row reads and writes the scratch block
+        return StepPlan(rides=rides, wants=list(range(decoding)) + ([len(rides) - 1] if prompt else []))
 
     if engine.pad_rows:
         widths = sorted({engine.step_width(n) for n in range(1, B + 1)})
@@ -176,14 +189,17 @@ def warm_up(engine: BatchEngine):
     log(f"compiled in {time.perf_counter() - start:.1f} s")
 
 
-def load_engine(args, tp) -> tuple[Tokenizer, BatchEngine]:
-    """The checkpoint's tokenizer and a BatchEngine over its model, after the checks that can fail
+def load_engine(args, tp) -> tuple[Tokenizer, Engine]:
+    """The checkpoint's tokenizer and an Engine over its model, after the checks that can fail
     before the weights load (under torchrun: this rank's shard)."""
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     checkpoint.require_dir(args.checkpoint)
     config = checkpoint.read_config(args.checkpoint)
-    args.max_seq_length = args.max_seq_length or min(4096, trained_context(config), longrope_switch(config) or 4096)
-    check_longrope_batching(config, args.max_seq_length)  # before the model loads
+    switch = recompute_position(config)
+    args.max_seq_length = args.max_seq_length or min(4096, trained_context(config), switch or 4096)
+    if switch is not None and args.max_seq_length > switch:  # before the model loads
+        raise UserError(f"max_seq_length {args.max_seq_length} is past this LongRoPE model's original context "
+                        f"({switch} tokens), where every cached key would be computed again: use at most {switch}")
     needs = lambda model: memory_needs(model, args, dtype)  # noqa: E731
     # before the context check, as the memory error names both flags that lower it; under torchrun
     # each rank checks its own shard as it loads
@@ -198,13 +214,13 @@ def load_engine(args, tp) -> tuple[Tokenizer, BatchEngine]:
     size = param_bytes(model, tokens=model.args.n_experts or 1)  # every expert, not the ones a step reads
     log(f"loaded {args.checkpoint} ({model.args.architecture}, {size / 1e6:.0f} MB of weights in "
         f"{args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
-    engine = BatchEngine(model, args.max_batch_size, args.max_seq_length, compile=args.compile,
-                         compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
-                         prefix_reuse=args.prefix_reuse, prepack=args.prepack)
+    engine = Engine.for_serving(model, args.max_batch_size, args.max_seq_length, kv_tokens=kv_tokens(args),
+                                compile=args.compile, compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk,
+                                max_waiting=args.max_waiting, prefix_caching=args.prefix_reuse, prepack=args.prepack)
     return tokenizer, engine
 
 
-def lead_or_follow(engine: BatchEngine, tp) -> bool:
+def lead_or_follow(engine: Engine, tp) -> bool:
     """Under torchrun: rank 0 sends every step's plan to the other ranks (True: it serves); the
     others run each plan it sends until it stops (False)."""
     import torch.distributed as dist
@@ -228,7 +244,7 @@ def lead_or_follow(engine: BatchEngine, tp) -> bool:
 
 # on the main thread: PyTorch's OpenMP compute runs about 1.5x slower when started from another
 # thread on this CPU; the HTTP server runs on its own thread
-def engine_loop(engine: BatchEngine, serving: Callable[[], bool]):
+def engine_loop(engine: Engine, serving: Callable[[], bool]):
     """Step the engine while `serving()` says so; then end what is left."""
     idle = 0.0
     while serving():
@@ -244,17 +260,11 @@ def engine_loop(engine: BatchEngine, serving: Callable[[], bool]):
             engine.step()
         except Exception:  # a bug in scheduling: end what runs, keep serving
             log("engine: " + traceback.format_exc())
-            for slot in engine.slots:
-                if slot.request is not None:
-                    slot.cached = []
-                    engine._finish(slot.request, "error", "internal error in the engine")
-    with engine.lock:  # shutting down: end what is left
-        for req in list(engine.waiting) + [s.request for s in engine.slots if s.request is not None]:
-            engine._finish(req, "cancelled")
-        engine.waiting.clear()
+            engine.abort_all("error", "internal error in the engine")
+    engine.abort_all("cancelled")  # shutting down: end what is left
 
 
-def serve(args, engine: BatchEngine, tokenizer: Tokenizer):
+def serve(args, engine: Engine, tokenizer: Tokenizer):
     """Serve HTTP on a thread of its own and step the engine on this one, until a signal stops both."""
     import uvicorn
 
@@ -268,8 +278,8 @@ def serve(args, engine: BatchEngine, tokenizer: Tokenizer):
     # cyclic collector stops walking them (a full collection over them pauses every stream ~0.5 s)
     gc.collect()
     gc.freeze()
-    log(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch_size} slots x "
-        f"{args.max_seq_length} tokens)")
+    log(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch_size} requests at once, "
+        f"{args.max_seq_length} tokens each at most, {kv_tokens(args)} tokens of KV cache)")
     config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     http = uvicorn.Server(config)

@@ -44,12 +44,10 @@ compiled verify is one dynamic graph for every block length and context length, 
 block costs a short verify: the weights are read once either way, the arithmetic and attention
 grow with the block.
 
-KV caches: both caches are indexed by absolute position, so undoing rejected positions means not
-advancing: their slots are masked causally and overwritten later. A sliding-window ring cache
-(`model.RingKVCache`) cannot be rewound that way (a rejected position overwrote the slot of one
-`window` positions earlier that is still needed), so the slots that speculative positions will
-overwrite are saved before and put back after (`RingSnapshot`); this needs k < window, and on
-the host path a block cut so that it fits in the window with the unfed tokens before it.
+KV caches: the target's request holds blocks of the engine's paged cache, and every verify is a
+step of the engine (Engine.feed: one chunk, every token's logits); the draft keeps a cache of its
+own. Both are indexed by position, so undoing rejected positions means not advancing (Engine.keep
+keeps the accepted ones): their slots are written again later. Nothing is rewound in place.
 
 Batch size 1 only: rows of a batch accept different numbers of tokens; larger batches are refused.
 """
@@ -63,29 +61,33 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from compile import compile_step, guards_skipped
-from engine import (ONE_SEQUENCE, Engine, Generator, Request, Stats, check_cache, check_fits, common_prefix,
-                    crosses_longrope_switch, decode_metrics, log, longrope_switch, reusable_prefix)
+from compile import compile_step
+from engine import ONE_SEQUENCE, Engine, Stats, decode_metrics, log
 from errors import UserError
 from grammar import allow_tokens, apply_mask, unpack_mask_on_host
-from model import RingKVCache, Transformer, param_bytes
-from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample_probs, token_logprobs
+from model import ForwardBatch, Transformer, param_bytes
+from rope import recompute_position
+from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample, sample_probs, token_logprobs
+from scheduler import Request
 
 
 # ---------------------------------------------------------------- the compiled pieces
 
-def verify(model: Transformer, tokens: Tensor, input_pos: Tensor, sampling: Optional[Sampling],
-           kv_len: int) -> Tensor:
-    """The target over [last token, d_1 .. d_m] (1, m + 1): its greedy ids (m + 1,), or its
-    processed distributions (m + 1, V) when sampling, or with sampling None its logits (m + 1, V)
-    (picked on the host). Row i predicts the token after d_i.
-    kv_len: the cache slots in use, so attention skips the empty rest of the cache."""
-    logits = model(tokens, input_pos, kv_len=kv_len)[0]  # (m + 1, V)
-    if sampling is None:
-        return logits
+def target_picks(logits: Tensor, sampling: Sampling) -> Tensor:
+    """The target's logits over [last token, d_1 .. d_m] (m + 1, V): its greedy ids (m + 1,), or
+    its processed distributions (m + 1, V) when sampling. Row i predicts the token after d_i."""
     if sampling.temperature == 0:
         return logits.argmax(-1)
     return logits_to_probs(logits, sampling)
+
+
+def draft_chunk(model: Transformer, tokens: list, start: int):
+    """A draft's chunk (a prompt, the target's forced tokens) through its cache at start: its keys only."""
+    device = model.norm.weight.device
+    positions = torch.arange(start, start + len(tokens), device=device).view(1, -1)
+    batch = ForwardBatch.rows(positions, 1, model.max_seq_length, kv_len=start + len(tokens),
+                              last=torch.full((1, 1), len(tokens) - 1, device=device))
+    model(torch.tensor([tokens], device=device), batch)
 
 
 def draft_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, sampling: Optional[Sampling]):
@@ -169,36 +171,15 @@ def build_block(drafts: list, constraint, masks: Optional[Tensor], stop: set, li
     return block, choices, bonus
 
 
-class RingSnapshot:
-    """The ring-cache slots that speculative positions overwrite, saved so rejected positions can
-    be undone. A no-op for models without ring caches."""
-
-    def __init__(self, model: Transformer):
-        self.window = model.ring_window
-        self.caches = [m for m in model.modules() if isinstance(m, RingKVCache)]
-        self.saved = None
-
-    def save(self, start: int, end: int):
-        """Positions [start, end) are about to be written, and may be rejected."""
-        if not self.caches or end <= start:
-            self.saved = None
-            return
-        assert end - start <= self.window, "more speculative positions than the ring holds"
-        slots = torch.arange(start, end, device=self.caches[0].k_cache.device) % self.window
-        self.saved = (start, slots, [(c.k_cache.index_select(2, slots), c.v_cache.index_select(2, slots))
-                                     for c in self.caches])
-
-    def restore(self, valid_end: int):
-        """Positions from valid_end on were rejected: give their slots back what they held."""
-        if self.saved is None:
-            return
-        start, slots, saved = self.saved
-        first = max(valid_end - start, 0)
-        if first < len(slots):
-            for c, (k, v) in zip(self.caches, saved):
-                c.k_cache.index_copy_(2, slots[first:], k[:, :, first:])
-                c.v_cache.index_copy_(2, slots[first:], v[:, :, first:])
-        self.saved = None
+def common_prefix(a: list, b: list) -> int:
+    lo, hi = 0, min(len(a), len(b))  # slices compare in C: a binary search over their length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # ---------------------------------------------------------------- proposers
@@ -292,14 +273,11 @@ class DraftProposer(Proposer):
         if compile:
             self.step = compile_step(draft_one_token, model, compile_mode)
         self.fed: list = []
-        self.ring = None
 
     def setup(self, max_seq_length: int):
         if self.model.max_batch_size != 1 or self.model.max_seq_length != max_seq_length:
-            check_cache(self.model, 1, max_seq_length, "the draft's KV cache")
             self.model.setup_caches(1, max_seq_length)
             self.fed = []
-        self.ring = RingSnapshot(self.model)
 
     def _one(self, token, pos: int, sampling: Sampling):
         cur = token if isinstance(token, Tensor) else torch.tensor([[token]], device=self.device)
@@ -321,14 +299,11 @@ class DraftProposer(Proposer):
 
     def start(self, context: list, sampling: Sampling):
         """Prefill the draft with context[:-1], reusing what its cache already holds (chat turns)."""
-        keep = reusable_prefix(self.fed, context, self.model.ring_window)
+        keep = min(common_prefix(self.fed, context), len(context) - 1)
         del self.fed[keep:]
-        self.ring = RingSnapshot(self.model)  # the caches may have been reallocated since the last call
         chunk = context[keep:-1]
         if chunk:
-            self.model(torch.tensor([chunk], device=self.device),
-                       torch.arange(keep, len(context) - 1, device=self.device),
-                       last_logits_only=True, kv_len=len(context) - 1)
+            draft_chunk(self.model, chunk, keep)
             self.fed.extend(chunk)
 
     def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
@@ -339,7 +314,6 @@ class DraftProposer(Proposer):
             tok, q = self._one(token, len(self.fed), sampling)
             self.fed.append(token)
         self.first_draft_slot = len(self.fed)
-        self.ring.save(self.first_draft_slot, self.first_draft_slot + k - 1)
         toks, qs = [tok], [q]
         for i in range(k - 1):
             tok, q = self._one(tok, self.first_draft_slot + i, sampling)
@@ -355,16 +329,12 @@ class DraftProposer(Proposer):
         completes. (Where it forces tokens the engine inserts its own, and skips these proposals.)"""
         missing = context[len(self.fed):]  # the target's new tokens: a sampled one and any a grammar forced
         if len(missing) > 1:  # all but the last as one chunk
-            start = len(self.fed)
             self.forwards += 1
-            self.model(torch.tensor([missing[:-1]], device=self.device),
-                       torch.arange(start, start + len(missing) - 1, device=self.device),
-                       last_logits_only=True, kv_len=start + len(missing) - 1)
+            draft_chunk(self.model, missing[:-1], len(self.fed))
             self.fed.extend(missing[:-1])
         logits = self._logits(missing[-1], len(self.fed))
         self.fed.append(missing[-1])
         self.first_draft_slot = len(self.fed)
-        self.ring.save(self.first_draft_slot, self.first_draft_slot + k - 1)
         drafts, qs = [], []
         for i in range(k):
             if i:
@@ -387,9 +357,8 @@ class DraftProposer(Proposer):
         return drafts, (torch.cat(qs) if qs else None)
 
     def accepted(self, n: int):
-        """n of the last proposals were kept: forget the rest (and undo them in a ring cache)."""
+        """n of the last proposals were kept: forget the rest."""
         del self.fed[self.first_draft_slot + n:]
-        self.ring.restore(len(self.fed))
 
 
 # ---------------------------------------------------------------- adaptive k
@@ -420,100 +389,120 @@ class SpecStats(Stats):
     proposed: int = 0  # proposals checked, over all verify forwards
 
 
-class SpeculativeEngine(Generator):
-    """An `Engine` (the target, its prefill and compiled one-token step) plus a proposer and a
-    compiled verify forward over up to k + 1 positions. The same interface as `Engine`, so the
-    command line and `Chat` drive it unchanged."""
+class SpeculativeEngine:
+    """An `Engine` (the target, its paged cache and its steps) plus a proposer: each round proposes,
+    verifies in one step of the engine over up to k + 1 tokens, and keeps what the target accepts.
+    The same interface as `Engine`, so the command line and `Chat` drive it unchanged."""
 
     def __init__(self, engine: Engine, proposer: Proposer, k: int, compile: bool = False,
                  compile_mode: str = "default", adaptive: bool = True):
         if k < 1:
             raise UserError("--speculate_k must be at least 1")
+        if engine.max_batch_size != 1:
+            raise UserError(ONE_SEQUENCE)
         draft = proposer.model
         if draft is not None and draft.args.vocab_size != engine.model.args.vocab_size:
             raise UserError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
                             f"({engine.model.args.vocab_size})")
         self.engine, self.proposer, self.k, self.adaptive = engine, proposer, k, adaptive
-        self.model, self.device = engine.model, engine.device
-        self.verify, self.compiled = verify, compile
-        if compile:  # dynamic: one graph for every number of proposals and every context length
-            # not regional: a compiled region cannot take dynamic shapes' symbolic floats (torch 2.13)
-            verify_mode = "default" if compile_mode == "regional" else compile_mode
-            self.verify = compile_step(verify, self.model, verify_mode, dynamic=True)
-        self.verify_guards_checked = self.step_guards_checked = False
+        self.model, self.device, self.compiled = engine.model, engine.device, compile
+        self.max_seq_length = engine.max_seq_length
         self.k_round = k  # this round's proposals at most: k, or next_k's choice when adaptive
-        self.tokens: list = []  # the target's context: tokens by cache position (the last one not fed yet)
-        self.ring = None
         self.jump_forward = True  # feed the tokens a grammar forces with the next block (False: picked one by one)
+        proposer.setup(engine.max_seq_length)
 
-    def setup(self, batch_size: int, max_seq_length: int):
-        if batch_size != 1:
-            raise UserError(ONE_SEQUENCE)
-        self.engine.setup(1, max_seq_length)
-        self.proposer.setup(max_seq_length)
-        self.forget_cache()
-
-    def forget_cache(self):
-        """The target's cache no longer holds self.tokens (another engine wrote it)."""
-        self.tokens = []
+    def forget_prefixes(self):
+        self.engine.forget_prefixes()
 
     def warm_up(self, prompts: list, sampling: Sampling, host: bool = False, constrained: bool = False):
-        """Run every compiled graph (verify, the one-token step, the draft's step) before timing;
-        host: the graphs that return logits (penalties, logit_bias or logprobs; a grammar's
-        mask, constrained, is applied to them too)."""
-        host = host or constrained
+        """Run every compiled graph (the verify's, the draft's step) before timing; host: the ones
+        that return logits (penalties, logit_bias or logprobs; a grammar's mask, constrained)."""
         if not self.compiled:
             return
         log("compiling (about a minute the first time, cached on disk afterwards)...")
         start = time.perf_counter()
-        device = self.device
+        engine = self.engine
         with torch.inference_mode():
-            no_pad = torch.zeros(1, dtype=torch.long, device=device)
-            for length, pos in ((self.k + 1, 3), (2, 7)):  # two lengths: the second call runs the dynamic graph
-                self.run_verify(torch.zeros(1, length, dtype=torch.long, device=device), pos,
-                                None if host else sampling)
-                self.engine.decode_one_token(self.model, torch.zeros(1, 1, dtype=torch.long, device=device),
-                                             torch.tensor([0], device=device), no_pad, None if host else sampling)
-            self.proposer.warm_up(sampling, host)
-        self.forget_cache()  # the caches now hold garbage at the first positions
+            blocks = [engine.scratch] * engine.blocks.blocks_for(16 + self.k + 1)
+            for length, pos in ((self.k + 1, 3), (2, 7), (1, 9)):  # the second call runs the dynamic graph
+                engine.run_chunk([0] * length, pos, blocks, every=True)
+            self.proposer.warm_up(sampling, host or constrained)
         log(f"compiled in {time.perf_counter() - start:.1f} s")
 
     @torch.inference_mode()
-    def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), start_pos: int = 0,
+    def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(),
                  on_tokens: Optional[Callable] = None, constraints: Optional[list] = None,
                  logprobs: Optional[int] = None, host: bool = False) -> tuple:
         """As `Engine.generate`, for one prompt; returns ([new ids], SpecStats). A grammar,
         penalties, logit_bias or logprobs (or host=True) pick tokens on the host from the target's
-        logits (`speculative_decode_host`); otherwise the compiled verify picks them."""
+        logits (`speculative_decode_host`); otherwise each round picks from the verify's."""
         if len(prompts) != 1:
             raise UserError(ONE_SEQUENCE)
-        prompt, device = list(prompts[0]), self.device
-        check_fits(start_pos, len(prompt), max_new_tokens, self.model.max_seq_length)
-        if start_pos > len(self.tokens):
-            raise ValueError(f"start_pos {start_pos} is past the {len(self.tokens)} cached tokens")
-        for model in (self.model, self.proposer.model):
-            if model is not None and model.ring_window is not None and self.k >= model.ring_window:
-                raise UserError(f"--speculate_k {self.k} must be smaller than the sliding window "
-                                f"({model.ring_window}): a ring KV cache cannot undo more positions")
-            if model is not None and crosses_longrope_switch(model.args, start_pos, len(prompt), max_new_tokens):
-                raise UserError(f"speculative decoding cannot cross LongRoPE's original context ({longrope_switch(model.args)} "
-                                "tokens), where every cached key is computed again: lower --max_new_tokens, or decode without it")
+        prompt = list(prompts[0])
+        switch = recompute_position(self.model.args)
+        if switch is not None and len(prompt) <= switch < len(prompt) + max_new_tokens - 1:
+            raise UserError(f"speculative decoding cannot cross LongRoPE's original context ({switch} tokens), "
+                            "where every cached key is computed again: lower --max_new_tokens, or decode without it")
         row = Request(prompt, max_new_tokens, sampling, stop_ids=frozenset(stop_ids),
                       constraint=constraints[0] if constraints else None, logprobs=logprobs)
         host = host or sampling.adjusts or logprobs is not None or row.constraint is not None
-        self.ring = RingSnapshot(self.model)  # the caches may have been reallocated since the last call
-        context = self.tokens = self.tokens[:start_pos] + prompt
         stats = SpecStats(prompt_tokens=len(prompt), new_tokens=0, ttft_s=0.0, decode_s=0.0, token_times=[],
                           k=self.k, histogram=[0] * (self.k + 1))
         draft_forwards_before = self.proposer.forwards
         self.k_round = min(ADAPTIVE_MIN_K, self.k) if self.adaptive else self.k
-        self.verify_guards_checked = self.step_guards_checked = False
-        stop, out = set(stop_ids), row.out
+        start = time.perf_counter()
+        self.engine.start(row)
+        try:
+            self.rounds(row, host, stats, on_tokens)
+        finally:
+            self.engine.scheduler.finish(row, row.finish_reason or "cancelled")
+        stats.ttft_s = stats.token_times[0] - start
+        stats.new_tokens = len(row.out)
+        stats.decode_s = stats.token_times[-1] - stats.token_times[0]
+        stats.draft_forwards = self.proposer.forwards - draft_forwards_before
+        stats.finish_reasons = [row.finish_reason]
+        stats.logprobs = [row.token_logprobs] if logprobs is not None else []
+        stats.cached_tokens = row.cached_tokens
+        return [row.out], stats
+
+    def rounds(self, row: Request, host: bool, stats: "SpecStats", on_tokens: Optional[Callable]):
+        """The prompt, then rounds until the row ends."""
+        engine, sampling, stop = self.engine, row.sampling, set(row.stop_ids)
+        emit = self.emitter(row, stats, on_tokens)
+        if self.jump_forward and row.constraint is not None:
+            lead = row.take(None)  # what the grammar forces before any choice is prefilled with the prompt
+            if lead:
+                emit(lead, timed=False)
+        if row.finish_reason is None:
+            logits = engine.feed(row, row.known()[row.fed:])
+            engine.keep(row, len(row.known()) - row.fed)
+            if host:
+                token = pick_tokens(logits.unsqueeze(0), [row])[0]  # records its logprobs
+                emit(row.take(token, jump=self.jump_forward and token not in stop))
+            else:
+                emit([int(sample(logits.unsqueeze(0), sampling))])
+        if not stats.token_times:  # the grammar forced the whole output
+            stats.token_times.append(time.perf_counter())
+        if row.finish_reason is None:
+            self.proposer.start(row.known(), sampling)
+        while row.finish_reason is None:
+            budget = row.max_new_tokens - len(row.out)
+            if host:
+                new, entries, fed = self.speculative_decode_host(row.known(), row.fed, row, budget, stop, stats)
+            else:
+                new = self.speculative_decode(row, budget, stop, stats)
+                entries, fed = (), len(new)  # the last token fed and the kept proposals
+            emit(new, entries)
+            engine.keep(row, fed)
+
+    @staticmethod
+    def emitter(row: Request, stats: "SpecStats", on_tokens: Optional[Callable]) -> Callable:
+        """emit(new tokens, their logprob entries): as Engine's hand-out, the tokens go out and may
+        end the output (a stop token, a stop string, a complete grammar, max_new_tokens)."""
+        out = row.out
 
         def emit(new: list, entries=(), timed: bool = True):
-            """As Engine.generate's hand_out: the new tokens go out, and may end the output."""
             out.extend(new)
-            context.extend(new)
             row.token_logprobs.extend(lp for lp in entries if lp is not None)
             if timed:  # a block of tokens arrives at once; the first round counts once, as in Engine
                 stats.token_times.extend([time.perf_counter()] * (len(new) if stats.token_times else 1))
@@ -526,84 +515,21 @@ class SpeculativeEngine(Generator):
                         del row.token_logprobs[len(row.token_logprobs) - kept:]
                     row.finish_reason = "stop"
                     break
+        return emit
 
-        start = time.perf_counter()
-        if self.jump_forward and row.constraint is not None:
-            # what the grammar forces before any choice (a JSON object's first key) is prefilled with the prompt
-            lead = row.take(None)
-            if lead:
-                emit(lead, timed=False)
-                prompt = prompt + lead
-        end = start_pos + len(prompt)
-        pos = start_pos  # the cache slot of the first token the target has not seen
-        if row.finish_reason is None:
-            first = self.engine.prefill(self.model, torch.tensor([prompt], device=device),
-                                        torch.arange(start_pos, end, device=device),
-                                        torch.zeros(1, dtype=torch.long, device=device),
-                                        None if host else sampling, end)
-            pos = end
-            if host:
-                token = pick_tokens(first, [row])[0]  # records its logprobs
-                emit(row.take(token, jump=self.jump_forward and token not in stop))
-            else:
-                emit([first.item()])
-        if not stats.token_times:  # the grammar forced the whole output
-            stats.token_times.append(time.perf_counter())
-        stats.ttft_s = stats.token_times[0] - start
-        if row.finish_reason is None:
-            self.proposer.start(context, sampling)
-        while row.finish_reason is None:
-            if host:
-                new, entries, fed = self.speculative_decode_host(context, pos, row, max_new_tokens - len(out),
-                                                                 stop, stats)
-            else:
-                new = self.speculative_decode(context, pos, sampling, max_new_tokens - len(out), stop, stats)
-                entries, fed = (), len(new)  # context[pos] and the kept proposals
-            pos += fed
-            emit(new, entries)
-        del context[pos + 1:]  # self.tokens; the cache holds context[:pos] (a grammar's last forced tokens not)
-        stats.new_tokens = len(out)
-        stats.decode_s = stats.token_times[-1] - stats.token_times[0]
-        stats.draft_forwards = self.proposer.forwards - draft_forwards_before
-        stats.finish_reasons = [row.finish_reason]
-        stats.logprobs = [row.token_logprobs] if logprobs is not None else []
-        stats.cached_tokens = pos
-        return [out], stats
-
-    def run_verify(self, ids: Tensor, pos: int, sampling: Sampling) -> Tensor:
-        """The target over ids (1, m + 1), from cache slot pos. Compiled, one graph serves every
-        m and every context length: a verify of fewer tokens costs less (each weight is read
-        once either way, but the arithmetic grows with m), which is what lets `next_k` try short
-        proposals cheaply; and attention covers the slots in use, not the whole cache."""
-        length = ids.shape[1]
-        # under CUDA graphs every new shape is recorded anew: there attention keeps covering the
-        # whole cache, so that only the block length varies (at most k graphs)
-        kv_len = pos + length if ids.device.type == "cpu" else self.model.max_seq_length
-        with guards_skipped(self.verify_guards_checked):  # checked on a generate call's first verify only
-            out = self.verify(self.model, ids, torch.arange(pos, pos + length, device=ids.device), sampling, kv_len)
-        self.verify_guards_checked = self.compiled
-        return out
-
-    def speculative_decode(self, context: list, pos: int, sampling: Sampling, budget: int, stop: set,
-                           stats: SpecStats) -> list:
+    def speculative_decode(self, row: Request, budget: int, stop: set, stats: "SpecStats") -> list:
         """One round: propose, verify in one target forward, accept. Returns the new tokens
         (accepted proposals + the target's own token), cut after a stop token and to `budget`."""
-        device, k = self.device, self.k_round
-        room = self.model.max_seq_length - pos - 1  # slots after the last token
+        device, k, sampling, context = self.device, self.k_round, row.sampling, row.known()
+        room = self.max_seq_length - row.fed - 1  # slots after the last token
         drafts, q = self.proposer.propose(context, min(k, budget - 1), sampling) \
             if budget > 1 and room >= k else ([], None)
         stats.target_forwards += 1
         if not drafts:  # nothing to check: a plain decoding step
             stats.plain_steps += 1
-            with guards_skipped(self.step_guards_checked):  # checked on a call's first plain step only
-                cur = self.engine.decode_one_token(self.model, torch.tensor([[context[-1]]], device=device),
-                                                   torch.tensor([pos], device=device),
-                                                   torch.zeros(1, dtype=torch.long, device=device), sampling)
-            self.step_guards_checked = self.compiled
-            return [cur.item()]
+            return [int(sample(self.engine.feed(row, [context[-1]]).unsqueeze(0), sampling))]
         proposed = len(drafts)
-        self.ring.save(pos + 1, pos + proposed + 1)
-        target = self.run_verify(torch.tensor([[context[-1]] + drafts], device=device), pos, sampling)
+        target = target_picks(self.engine.feed(row, [context[-1]] + drafts, every=True), sampling)
         if sampling.temperature == 0:
             target = target.tolist()
             n = 0
@@ -625,8 +551,6 @@ class SpeculativeEngine(Generator):
                 new = new[:i + 1]
                 break
         new = new[:budget]
-        # slots pos .. pos + len(new) - 1 now hold the last token and the kept proposals
-        self.ring.restore(pos + len(new))
         self.proposer.accepted(len(new) - 1)
         return new
 
@@ -643,9 +567,7 @@ class SpeculativeEngine(Generator):
         jump = self.jump_forward and row.logprobs is None
         unfed = context[pos:]
         u, V = len(unfed), self.model.args.vocab_size
-        limit = budget - 1  # block tokens: the target's own token after them takes the last one
-        if self.model.ring_window:  # a rejected position must not overwrite the slot of a kept one
-            limit = min(limit, self.model.ring_window - u)
+        limit = min(budget - 1, self.max_seq_length - pos - u)  # block tokens: the target's own token takes the last one
         drafts, q = self.proposer.propose_on_host(context, min(self.k_round, limit), sampling, c) \
             if limit > 0 else ([], None)
         allowed = drafts[:c.valid_prefix(drafts)] if c is not None and drafts else drafts
@@ -653,20 +575,9 @@ class SpeculativeEngine(Generator):
         block, choices, bonus = build_block(allowed, c, masks, stop, limit, jump)
         m, L = len(choices), len(block)
         stats.target_forwards += 1
-        if m:
-            self.ring.save(pos + u, pos + u + L)
-            logits = self.run_verify(torch.tensor([unfed + block], device=device), pos, None)  # (u + L, V)
-        else:  # nothing to check: a plain step over the unfed tokens
+        logits = self.engine.feed(row, unfed + block, every=True)  # (u + L, V)
+        if not m:  # nothing checked: a plain step over the unfed tokens
             stats.plain_steps += 1
-            if u == 1:
-                with guards_skipped(self.step_guards_checked):
-                    logits = self.engine.decode_one_token(self.model, torch.tensor([unfed], device=device),
-                                                          torch.tensor([pos], device=device),
-                                                          torch.zeros(1, dtype=torch.long, device=device),
-                                                          None).clone()
-                self.step_guards_checked = self.compiled
-            else:
-                logits = self.run_verify(torch.tensor([unfed], device=device), pos, None)
         picks = choices + ([L] if bonus else [])  # row u - 1 + j predicts block[j]
         x = logits[[u - 1 + j for j in picks]].float()  # (m + bonus, V)
         if sampling.adjusts:  # each pick's penalties count the block's tokens before it
@@ -696,7 +607,6 @@ class SpeculativeEngine(Generator):
             stats.proposed += m
             if self.adaptive:
                 self.k_round = next_k(self.k_round, n, m, self.k)
-            self.ring.restore(pos + u + kept)
         new = block[:kept] + ([token] if token is not None else [])
         if drafts:  # (also when the grammar cut them all); the last new token is fed next round
             self.proposer.accepted(min(common_prefix(drafts, new), len(new) - 1))

@@ -30,7 +30,8 @@ import packing
 import qlayers
 import quantize as Q
 from checkpoint import write_json
-from engine import bucket, decode_one_token, load_model, prefill
+from engine import bucket, decode_one_token, prefill
+from loading import load_model
 from model import ModelArgs
 from sampling import Sampling
 

@@ -40,7 +40,8 @@ import torch
 
 import quantize
 from checkpoint import write_checkpoint
-from engine import Engine, load_model
+from engine import Engine
+from loading import load_model
 from model import ModelArgs, Transformer, param_bytes
 from sampling import Sampling
 

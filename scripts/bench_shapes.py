@@ -48,7 +48,7 @@ def device_bytes(job, args) -> int:
     import qlayers
     import quantize
     import shapes
-    from engine import parse_dtype
+    from loading import parse_dtype
     from memory import kv_cache_bytes, logits_bytes, weight_bytes
     shape, precision, batch = job
     model_args = shapes.shape_args(shape)
@@ -146,7 +146,7 @@ def summarize(job, args, workdir: Path, rc, membw: dict) -> dict:
     weights_gb_s = statistics.median(s["bandwidth_gb_s"] for s in timed)
     import qlayers
     import shapes
-    from engine import parse_dtype
+    from loading import parse_dtype
     from memory import kv_cache_bytes
     kv = kv_cache_bytes(qlayers.meta_model(shapes.shape_args(shape)), batch, seq_length(args),
                         parse_dtype(dtype_of(precision, args.device)))

@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 
 import speculative
-from engine import DTYPES, Engine, load_model
+from engine import Engine
+from loading import DTYPES, load_model
 from sampling import Sampling
 from tokenizer import Tokenizer
 

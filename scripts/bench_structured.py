@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from engine import Engine, load_model
+from engine import Engine
 from grammar import Grammars, token_masks
+from loading import load_model
 from sampling import Sampling
 from tokenizer import Tokenizer
 

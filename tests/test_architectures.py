@@ -21,8 +21,9 @@ import transformers  # noqa: F401 -- the oracle: a test environment without it f
 import kernels
 from conftest import random_model
 from convert_hf import convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
-from engine import BatchEngine, Chat, Engine, Request, load_model
+from engine import BatchEngine, Chat, Engine, Request
 from errors import ConvertError
+from loading import load_model
 from model import CAUSAL_SDPA_MIN_TOKENS, MoEFeedForward, Transformer, param_bytes
 from sampling import Sampling
 from test_hf_parity import (DECODE_STEPS, MISTAKE_MIN, PROMPT_LEN, TOL, build_hf_model, greedy, hf_greedy, load_hf,
@@ -338,7 +339,7 @@ def test_moe_quantized_experts_within_bound(mode, weight_bound, bound, variant, 
     the scheme's bound of float (as tests/test_quantize.py's), and compiled decodes as eager."""
     import quantize
     from conftest import save_checkpoint
-    from engine import load_model
+    from loading import load_model
     from safetensors import safe_open
     torch._dynamo.reset()  # the step's recompile limit counts the graphs of earlier tests' models too
     model = tiny_moe(std=0.05, dim=128, intermediate_size=64, n_kv_heads=2, **variant)

@@ -94,7 +94,7 @@ def test_quantized_wide_steps_as_alone(tmp_path):
     """The same with an int8 checkpoint: its integer loops give a row the same bits in a step of
     up to 64 rows, so prompt tokens fill the step beside the streams as with float weights."""
     from conftest import run_script, save_checkpoint
-    from engine import load_model
+    from loading import load_model
     src = save_checkpoint(random_model(), tmp_path / "float")
     r = run_script("quantize.py", "--checkpoint", src, "--mode", "int8", "--out", tmp_path / "int8")
     assert r.returncode == 0, r.stderr

@@ -341,7 +341,7 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 def load_and_run(ckpt: Path):
     """What generate.py does with a checkpoint, in small: config, tokenizer, weights, one step."""
     import checkpoint
-    from engine import load_model
+    from loading import load_model
     from tokenizer import Tokenizer
 
     checkpoint.require_dir(ckpt)
@@ -522,7 +522,7 @@ def test_corrupted_hf_weights_convert_or_fail_in_one_line(tmp_path, shards, exam
 
 def load_and_run_weights(ckpt: Path):
     """A converted checkpoint without tokenizer files: its weights load and run one step."""
-    from engine import load_model
+    from loading import load_model
 
     model = load_model(ckpt, fast_kernels=False)
     model.setup_caches(1, 4)

@@ -22,7 +22,8 @@ import torch
 
 import kernels
 from conftest import ROOT, TEST_DEVICE, on_test_device, random_model, run_script
-from engine import Chat, Engine, load_model
+from engine import Chat, Engine
+from loading import load_model
 from model import KVCache, ModelArgs, RingKVCache, Transformer
 from sampling import Sampling
 
@@ -217,7 +218,8 @@ def gemma3_dir() -> Path:
 
 def test_gemma3_sentencepiece_tokenizer_fits_its_model(gemma3_dir):
     """The real Gemma 3 checkpoint: its tokenizer passes engine.check_vocabulary."""
-    from engine import check_vocabulary, trained_context
+    from rope import trained_context
+    from loading import check_vocabulary
     from tokenizer import Tokenizer
     config = ModelArgs.from_json(gemma3_dir / "config.json")
     check_vocabulary(Tokenizer(gemma3_dir), config, gemma3_dir)

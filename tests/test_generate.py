@@ -11,7 +11,8 @@ import torch
 
 import kernels
 from conftest import random_model, run_script, save_checkpoint
-from engine import Chat, Engine, load_model
+from engine import Chat, Engine
+from loading import load_model
 from sampling import Sampling, logits_to_probs, sample
 
 GOLDEN = Path(__file__).parent / "golden" / "smollm2-135m.json"

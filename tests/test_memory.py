@@ -17,7 +17,7 @@ import packing
 import qlayers
 import quantize
 from conftest import ROOT, TEST_DEVICE, random_model, run_script, save_checkpoint
-from engine import meta_model
+from loading import meta_model
 from memory import Need, OutOfMemory, check_memory, kv_cache_bytes, weight_bytes
 from tp import TensorParallel, sharded_bytes
 
@@ -172,7 +172,7 @@ def test_streamed_int8_rows_are_read_into_one_block_off_the_file_mapping(tmp_pat
     is tied to it) are read with file reads into one 2 MB-page block: the same integers, but not
     the file's mapped pages, and load_model's packed layers read them there."""
     import kernels
-    from engine import load_model
+    from loading import load_model
     model = random_model(vocab_size=4096, dim=256, intermediate_size=1024, tie_word_embeddings=tied)  # > 2 MB of int8
     src = save_checkpoint(model, tmp_path / "float")
     quantize.main(["--checkpoint", str(src), "--mode", "int8", "--out", str(tmp_path / "int8")])
@@ -210,7 +210,7 @@ def test_streamed_int8_rows_are_read_into_one_block_off_the_file_mapping(tmp_pat
 def test_int4_rows_are_packed_into_one_block(tmp_path):
     """The CPU loops' int4 rows are packed straight into one 2 MB-page block: the same bytes as
     packing alone gives, one allocation, and the int8 head beside them stays in its own block."""
-    from engine import load_model
+    from loading import load_model
     model = random_model(vocab_size=4096, dim=256, intermediate_size=2048, n_layers=4, tie_word_embeddings=False)
     src = save_checkpoint(model, tmp_path / "float")
     quantize.main(["--checkpoint", str(src), "--mode", "int4", "--out", str(tmp_path / "int4")])

@@ -278,7 +278,8 @@ def quantize_cli(src, *args):
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "int4-gptq"])
 def test_quantized_checkpoint_loads_and_decodes_like_eager(mode, tiny_checkpoint, tmp_path, one_thread):
-    from engine import Engine, load_model
+    from engine import Engine
+    from loading import load_model
     from sampling import Sampling
     out = tmp_path / mode
     args = ["--mode", mode, "--out", out] + (["--calibration_samples", "4", "--calibration_length", "64"]
@@ -375,7 +376,7 @@ SHORT_PROMPTS = ["The quick brown fox jumps over the lazy dog because it wanted 
 def test_smollm2_quantized_sizes_and_logits(smollm2_dir, smollm2_quantized, one_thread):
     """Sizes of the issue's targets, and logits close to float over 8 short prompts (~100
     positions: a bound on one prompt's 13 would move with a single near-tie)."""
-    from engine import load_model
+    from loading import load_model
     from tokenizer import Tokenizer
     float_bytes = (smollm2_dir / "model.safetensors").stat().st_size
     limits = {"int8": 0.30, "int4": 0.18}
@@ -409,7 +410,8 @@ def test_smollm2_quantized_sizes_and_logits(smollm2_dir, smollm2_quantized, one_
 def test_generate_cli_on_quantized_checkpoint_matches_the_library(smollm2_quantized):
     """generate.py loads the scheme from config.json alone and prints the greedy continuation that
     engine.py's greedy decode of the same checkpoint gives."""
-    from engine import Engine, load_model
+    from engine import Engine
+    from loading import load_model
     from sampling import Sampling
     from tokenizer import Tokenizer
     ckpt = smollm2_quantized["int4"]

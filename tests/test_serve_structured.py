@@ -208,7 +208,8 @@ def test_tool_conversation_is_served(server, client, tokenizer):
 
 def test_constrained_greedy_matches_engine(client, smollm2_dir, tokenizer):
     """The server's greedy JSON for a schema is the engine's (Engine.generate with the same constraint)."""
-    from engine import Engine, load_model
+    from engine import Engine
+    from loading import load_model
     from sampling import Sampling
     from grammar import Grammars
 

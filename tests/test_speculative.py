@@ -11,8 +11,9 @@ import torch
 import kernels
 import speculative
 from conftest import TEST_DEVICE, random_model, run_script, save_checkpoint
-from engine import Chat, Engine, load_model
+from engine import Chat, Engine
 from errors import UserError
+from loading import load_model
 from sampling import Sampling, logits_to_probs
 from speculative import DraftProposer, NgramProposer, SpeculativeEngine
 

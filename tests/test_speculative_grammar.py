@@ -11,7 +11,8 @@ import torch
 
 import speculative
 from conftest import random_model
-from engine import Engine, Request, load_model
+from engine import Engine, Request
+from loading import load_model
 from sampling import Sampling, adjust_logits, logits_to_probs
 from test_speculative import (PROMPTS, RUNS, SAMPLE_PROMPT, SAMPLINGS, V, ScriptedProposer, chi_square_p_value,
                               every_continuation_logits, noisy_copy, small_vocab_pair, spec_engine)

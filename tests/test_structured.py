@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from conftest import run_script
-from engine import BatchEngine, Engine, Request, load_model
+from engine import BatchEngine, Engine, Request
 from errors import UserError
 from grammar import Grammars, unpack_mask, unpack_mask_on_host
+from loading import load_model
 from sampling import Sampling, adjust_logits, check_sampling, logits_to_probs, sample_rows
 from tokenizer import StopStrings, Tokenizer
 

@@ -23,7 +23,7 @@ import torch
 
 import kernels
 from conftest import ROOT, device_flags, needs_devices, random_model, run_script, save_checkpoint
-from engine import load_model
+from loading import load_model
 from test_gemma import tiny_gemma3
 from tp import PLAN, TensorParallel, TPError, head_split, sharded_bytes
 from tp_worker import run_case

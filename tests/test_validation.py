@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 from conftest import ROOT, device_flags, random_model, save_checkpoint
 from convert_hf import hf_config_to_args
-from engine import check_vocabulary, trained_context
+from loading import check_vocabulary
 from errors import UserError
 from model import ModelArgs
+from rope import trained_context
 from test_fuzz import EXAMPLES, fuzz_settings, loads_or_one_line_error
 from tokenizer import Tokenizer
 

@@ -18,7 +18,8 @@ import torch
 
 import kernels
 import tp as tplib
-from engine import Engine, load_model
+from engine import Engine
+from loading import load_model
 from sampling import Sampling
 
 
