@@ -44,25 +44,27 @@ def log(*args):
 
 # ---------------------------------------------------------------- the forwards a step runs
 
-def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, slots: Tensor, block_table: Tensor,
-                  block_size: int, kv_len: int, logit_rows: Tensor, sampling: Optional[Sampling] = None,
-                  mask: Optional[Tensor] = None) -> Tensor:
-    """One token a row (W, 1) at its position (W, 1), its key and value to slots (W, 1), reading its
-    block table's keys (W, blocks) up to kv_len: the logits (L, V) of rows logit_rows (L,), or with
-    sampling their next tokens (L, 1); mask (L, ceil(V / 32)): the tokens a grammar allows."""
-    batch = ForwardBatch(positions, slots, block_table, block_size, kv_len, logit_rows=logit_rows)
+def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
+                  logit_rows: Tensor, sampling: Optional[Sampling] = None, mask: Optional[Tensor] = None,
+                  **views) -> Tensor:
+    """One token a row (W, 1) at its position (W, 1), reading its keys up to kv_len through its block
+    table (views: ForwardBatch's slots and block_table, and a mixed model's window_slots and
+    window_table): the logits (L, V) of rows logit_rows (L,), or with sampling their next tokens
+    (L, 1); mask (L, ceil(V / 32)): the tokens a grammar allows."""
+    batch = ForwardBatch(positions, block_size=block_size, kv_len=kv_len, logit_rows=logit_rows, **views)
     logits = model(tokens, batch)[:, -1]  # (L, V)
     if mask is not None:
         logits = logits.masked_fill(~unpack_mask(mask, logits.shape[-1]), float("-inf"))
     return logits if sampling is None else sample(logits, sampling)
 
 
-def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, slots: Tensor, block_table: Tensor,
-                  block_size: int, kv_len: int, fresh: bool, every: bool) -> Tensor:
+def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
+                  fresh: bool, every: bool, **views) -> Tensor:
     """A chunk of one sequence's tokens (1, T): the logits of its last token (1, V), or of every
-    token (T, V). fresh: nothing is cached before it."""
+    token (T, V). fresh: nothing is cached before it; views as forward_rides'."""
     last = None if every else torch.full((1, 1), tokens.shape[1] - 1, device=tokens.device)
-    return model(tokens, ForwardBatch(positions, slots, block_table, block_size, kv_len, last=last, fresh=fresh))[0]
+    batch = ForwardBatch(positions, block_size=block_size, kv_len=kv_len, last=last, fresh=fresh, **views)
+    return model(tokens, batch)[0]
 
 
 def bucket(n: int, limit: int, smallest: int = 128) -> int:
@@ -142,23 +144,38 @@ class Engine:
         requests of up to max_seq_length tokens; what the old one held is gone."""
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         self.allocate(kv_tokens or max_batch_size * max_seq_length, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_batch_size, self.fused_rows, self.prefill_chunk or max_seq_length,
-                                   self.max_waiting, recompute_position(self.model.args))
+        window = self.model.args.sliding_window if any(layer.attention.sliding for layer in self.model.layers) else None
+        self.scheduler = Scheduler(self.blocks, max_batch_size, self.fused_rows, self.chunk_tokens(),
+                                   self.max_waiting, recompute_position(self.model.args), window, self.window_blocks)
+
+    def chunk_tokens(self) -> int:
+        return self.prefill_chunk or self.max_seq_length
 
     def allocate(self, kv_tokens: int, prefix_caching: bool):
-        """The blocks and every layer's slot pool, one block more for padding rows (scratch)."""
-        num_blocks = -(-kv_tokens // self.block_size)
-        args = self.model.args
-        # a prefix's keys are reused where they do not depend on what follows it
-        prefix_caching = prefix_caching and recompute_position(args) is None
-        self.blocks = BlockManager(num_blocks, self.block_size, prefix_caching)
-        self.scratch = num_blocks
+        """The blocks and every layer's slot pool, one block more for padding rows (scratch). In a
+        model that mixes sliding-window layers with full attention, the sliding layers have blocks of
+        their own, as many as every running request's window and a chunk after it take."""
+        bs, args, layers = self.block_size, self.model.args, self.model.layers
+        num_blocks = -(-kv_tokens // bs)
+        sliding = [layer.attention.sliding for layer in layers]
+        # a prefix's keys are reused where they do not depend on what follows it, nor leave a window
+        prefix_caching = prefix_caching and recompute_position(args) is None and not any(sliding)
+        self.blocks = BlockManager(num_blocks, bs, prefix_caching)
+        self.scratch, self.window_blocks, window_slots = num_blocks, None, None
+        if any(sliding) and not all(sliding):
+            per_request = min(-(-(args.sliding_window + self.chunk_tokens()) // bs), -(-self.max_seq_length // bs)) + 1
+            self.window_blocks = BlockManager(self.max_batch_size * per_request, bs, prefix_caching=False)
+            window_slots = (self.window_blocks.num_blocks + 1) * bs
         old = self.model.num_slots if self.model.num_slots > 0 else 0
         dtype = self.model.norm.weight.dtype
-        check_memory([Need("the KV cache", kv_cache_bytes(self.model, 1, (num_blocks + 1) * self.block_size, dtype)
-                           - kv_cache_bytes(self.model, 1, old, dtype), "lower the batch size or the sequence length",
-                           f" for {num_blocks * self.block_size} tokens")], self.device)
-        self.model.setup_caches(1, self.max_seq_length, num_slots=(num_blocks + 1) * self.block_size)
+        slots = (num_blocks + 1) * bs
+        need = kv_cache_bytes(self.model, 1, slots, dtype) - kv_cache_bytes(self.model, 1, old, dtype)
+        if window_slots:  # the sliding layers' share of that is their own pools'
+            need = need * sliding.count(False) // len(sliding) + \
+                kv_cache_bytes(self.model, 1, window_slots, dtype) * sliding.count(True) // len(sliding)
+        check_memory([Need("the KV cache", need, "lower the batch size or the sequence length",
+                           f" for {num_blocks * bs} tokens")], self.device)
+        self.model.setup_caches(1, self.max_seq_length, num_slots=slots, window_slots=window_slots)
 
     # ---- from any thread
 
@@ -258,15 +275,32 @@ class Engine:
         chunks = [self.run_chunk(*chunk) for chunk in plan.chunks]
         return out, chunks
 
+    def tables_and_slots(self, rows: list, n: int, group: int) -> tuple:
+        """The block tables (R, n) and the slots of the tokens (R, T) of rows (tokens, start,
+        tables); released or missing blocks and padding read and write the group's scratch block."""
+        bs = self.block_size
+        scratch = self.scratch if group == 0 else self.window_blocks.num_blocks
+        tables = [[b if b >= 0 else scratch for b in t[group][:n]] + [scratch] * (n - len(t[group][:n]))
+                  for _, _, t in rows]
+        slots = [[table[p // bs] * bs + p % bs if p // bs < len(table) else scratch * bs
+                  for p in range(start, start + len(tokens))] for (tokens, start, _), table in zip(rows, tables)]
+        return torch.tensor(tables, device=self.device), torch.tensor(slots, device=self.device)
+
+    def batch_views(self, rows: list, n: int) -> dict:
+        """ForwardBatch's block_table and slots, and a mixed model's window_table and window_slots."""
+        table, slots = self.tables_and_slots(rows, n, 0)
+        out = dict(block_table=table, slots=slots)
+        if self.window_blocks is not None:
+            out["window_table"], out["window_slots"] = self.tables_and_slots(rows, n, 1)
+        return out
+
     def run_rides(self, plan: StepPlan) -> Tensor:
         rides, bs, device = plan.rides, self.block_size, self.device
         width = self.step_width(len(rides))
-        rows = rides + [(0, 0, [])] * (width - len(rides))  # padding rows: the scratch block
+        rows = [([t], pos, tables) for t, pos, tables in rides] + [([0], 0, ([], []))] * (width - len(rides))
         longest = max(pos for _, pos, _ in rides) + 1
         kv_len = bucket(longest, self.max_seq_length) if self.kv_buckets else self.max_seq_length
-        n = -(-kv_len // bs)
-        table = [blocks[:n] + [self.scratch] * (n - len(blocks[:n])) for _, _, blocks in rows]
-        slots = [[blocks[pos // bs] * bs + pos % bs if blocks else self.scratch * bs] for _, pos, blocks in rows]
+        views = self.batch_views(rows, -(-kv_len // bs))
         wants = plan.wants + [0] * ((width if self.pad_rows else self.min_rows) - len(plan.wants))
         mask = getattr(plan, "mask", None)
         if mask is not None and len(wants) > mask.shape[0]:  # padding rows allow every token
@@ -276,19 +310,19 @@ class Engine:
         shape = (width, kv_len, len(wants), sampling, None if mask is None else mask.shape)
         same, self.last_shape = shape == self.last_shape, shape
         with guards_skipped(same):
-            return self.rides(self.model, torch.tensor([[t] for t, _, _ in rows], device=device),
-                              torch.tensor([[p] for _, p, _ in rows], device=device), torch.tensor(slots, device=device),
-                              torch.tensor(table, device=device), bs, kv_len, torch.tensor(wants, device=device),
-                              sampling, mask)
+            return self.rides(self.model, torch.tensor([t for t, _, _ in rows], device=device),
+                              torch.tensor([[p] for _, p, _ in rows], device=device), bs, kv_len,
+                              torch.tensor(wants, device=device), sampling, mask, **views)
 
-    def run_chunk(self, tokens: list, start: int, blocks: list, every: bool = False) -> Tensor:
-        bs, T, device = self.block_size, len(tokens), self.device
-        positions = list(range(start, start + T))
-        slots = [blocks[p // bs] * bs + p % bs for p in positions]
-        forward = self.short_chunk if T <= kernels.MAX_TOKENS else self.long_chunk
-        logits = forward(self.model, torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
-                         torch.tensor([slots], device=device), torch.tensor([blocks], device=device), bs,
-                         start + T, start == 0, every)
+    def run_chunk(self, tokens: list, start: int, tables: tuple, every: bool = False) -> Tensor:
+        T, device = len(tokens), self.device
+        views = self.batch_views([(tokens, start, tables)], self.blocks.blocks_for(start + T))
+        # a few tokens after cached ones (a verify, what a grammar forced): one graph for any count,
+        # every token's logits; a prompt: eager (or compiled with compile_prefill), the last one's
+        short = T <= kernels.MAX_TOKENS and start > 0
+        logits = (self.short_chunk if short else self.long_chunk)(
+            self.model, torch.tensor([tokens], device=device), torch.arange(start, start + T, device=device).view(1, -1),
+            self.block_size, start + T, start == 0, every or short, **views)
         return logits if every else logits[-1]
 
     def step_width(self, rows: int) -> int:
@@ -331,7 +365,7 @@ class Engine:
         every token (T, V), come back. request.fed does not move: the caller keeps what it accepts."""
         if not self.scheduler.make_room(request, request.fed + len(tokens), StepPlan()):
             raise UserError("the KV cache cannot hold this sequence")
-        plan = StepPlan(chunks=[(tokens, request.fed, list(request.blocks), every)], chunk_requests=[request])
+        plan = StepPlan(chunks=[(tokens, request.fed, request.tables(), every)], chunk_requests=[request])
         with torch.inference_mode():
             return self.run(plan)[1][0]
 
@@ -339,6 +373,7 @@ class Engine:
         """The first n tokens of the last feed() stay in the cache (full blocks sealed)."""
         request.fed += n
         self.scheduler.seal_full(request)
+        self.scheduler.release_out_of_window(request)
 
     def follow(self, receive: Callable):
         """A tensor-parallel rank other than 0: run every plan rank 0 sends, until it sends None."""
@@ -411,10 +446,9 @@ class Engine:
         if steps > 0:
             self.generate(prompts, steps, sampling, host=host)
         if (host or constrained) and len(prompts) == 1:  # the chunk of forced tokens: two lengths, one graph
-            blocks = [self.scratch] * self.blocks.blocks_for(64 + 3)
-            with torch.inference_mode():
+            with torch.inference_mode():  # no blocks: the scratch block
                 for T in (2, 3):
-                    self.run_chunk([0] * T, 64, blocks)
+                    self.run_chunk([0] * T, 64, ([], []))
         self.forget_prefixes()
         log(f"compiled in {time.perf_counter() - start:.1f} s")
 

@@ -221,17 +221,29 @@ class ForwardBatch:
     positions: Tensor  # (B, T) int64: each token's position in its sequence
     slots: Tensor  # (B, T) int64: where each token's key and value go (padding: a scratch slot)
     block_table: Tensor  # (B, blocks) int64: each row's blocks, in position order
-    block_size: int
-    kv_len: int  # the positions a row's queries may read, 0..kv_len-1, the same for every row
+    block_size: int = 16
+    kv_len: int = 0  # the positions a row's queries may read, 0..kv_len-1, the same for every row
     last: Optional[Tensor] = None  # (B, 1) int64: only this token of each row goes through the last layer
     logit_rows: Optional[Tensor] = None  # (L,): the rows whose logits are wanted; None: all
     fresh: bool = False  # nothing cached before these tokens: attention reads the chunk's own keys
+    # sliding-window layers with pools of their own (a model that mixes them with full attention):
+    # their slots and block tables, whose blocks out of the window are gone (the scratch block)
+    window_slots: Optional[Tensor] = None
+    window_table: Optional[Tensor] = None
 
-    def context(self) -> Tensor:
-        """(B, kv_len) the slot of each row's positions 0..kv_len-1."""
-        offsets = torch.arange(self.block_size, device=self.block_table.device)
-        slots = (self.block_table.unsqueeze(-1) * self.block_size + offsets).flatten(1)  # (B, blocks * block_size)
+    def context(self, block_table: Optional[Tensor] = None) -> Tensor:
+        """(B, kv_len) the slot of each row's positions 0..kv_len-1 (in the window pools' blocks)."""
+        table = self.block_table if block_table is None else block_table
+        offsets = torch.arange(self.block_size, device=table.device)
+        slots = (table.unsqueeze(-1) * self.block_size + offsets).flatten(1)  # (B, blocks * block_size)
         return slots[:, :self.kv_len]
+
+    def views(self) -> dict:
+        """sliding -> (slots, context) of the layers of that kind; a fresh chunk's context is None."""
+        full = (self.slots, None if self.fresh else self.context())
+        if self.window_slots is None:
+            return {False: full, True: full}
+        return {False: full, True: (self.window_slots, None if self.fresh else self.context(self.window_table))}
 
     @staticmethod
     def rows(input_pos: Tensor, batch_size: int, row_length: int, kv_len: Optional[int] = None,
@@ -305,11 +317,12 @@ class Attention(nn.Module):
         self.softcap = args.attn_logit_softcapping
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor], batch: "ForwardBatch",
-                context: Optional[Tensor], last: bool = False) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor], slots: Tensor,
+                context: Optional[Tensor], last: Optional[Tensor] = None) -> Tensor:
         """mask: additive (B, 1, T, S) over the keys read, or None for a fresh chunk's causal
-        attention; context (B, S): the slots those keys are in (None: a fresh chunk reads its own).
-        last: the last layer, where only batch.last's token of each row (if given) goes on."""
+        attention; slots (B, T): where this chunk's keys and values go; context (B, S): the slots
+        of the keys read (None: a fresh chunk reads its own). last (B, 1): the token of each row
+        whose output alone goes on (the last layer of a prefill)."""
         B, T, _ = x.shape
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         q, k, v = self.wqkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -322,11 +335,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:  # SmolLM3's NoPE layers skip it
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.kv_cache.write(batch.slots, k, v)
-        if last and batch.last is not None:  # the only query whose output goes on: (B, n_heads, 1, head_dim)
-            q = q.gather(2, batch.last.view(B, 1, 1, 1).expand(B, nh, 1, hd))
+        self.kv_cache.write(slots, k, v)
+        if last is not None:  # the only query whose output goes on: (B, n_heads, 1, head_dim)
+            q = q.gather(2, last.view(B, 1, 1, 1).expand(B, nh, 1, hd))
             if mask is not None:
-                mask = mask.gather(2, batch.last.view(B, 1, 1, 1).expand(B, 1, 1, mask.shape[-1]))
+                mask = mask.gather(2, last.view(B, 1, 1, 1).expand(B, 1, 1, mask.shape[-1]))
             T = 1
         if context is None:
             y = self.attend(q, k, v, mask)  # (B, n_heads, T, head_dim)
@@ -505,11 +518,12 @@ class TransformerBlock(nn.Module):
         self.post_ffn_norm = norm() if args.post_norms else nn.Identity()
         self.residual_multiplier = args.residual_multiplier
 
-    def forward(self, x, cos, sin, masks, batch: ForwardBatch, context: Optional[Tensor], last: bool = False):
-        mask = masks[1] if self.attention.sliding else masks[0]
-        a = self.attention(self.attention_norm(x), cos, sin, mask, batch, context, last)
-        if last and batch.last is not None:  # the residual of the tokens that go on
-            x = x.gather(1, batch.last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
+    def forward(self, x, cos, sin, masks, views: dict, last: Optional[Tensor] = None):
+        """views: ForwardBatch.views(); last (B, 1): the last layer of a prefill, its token alone goes on."""
+        sliding = self.attention.sliding
+        a = self.attention(self.attention_norm(x), cos, sin, masks[1] if sliding else masks[0], *views[sliding], last)
+        if last is not None:  # the residual of the tokens that go on
+            x = x.gather(1, last.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
         h = x + self.post_attention_norm(a) * self.residual_multiplier
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h))) * self.residual_multiplier
 
@@ -536,10 +550,11 @@ class Transformer(nn.Module):
         self.regional = False  # under torch.compile: compile one layer and reuse it (block_region)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None,
-                     num_slots: Optional[int] = None):
+                     num_slots: Optional[int] = None, window_slots: Optional[int] = None):
         """Preallocate every layer's slot pool, num_slots of them (default max_batch_size *
-        max_seq_length: ForwardBatch.rows' layout, row b from slot b * max_seq_length); call again
-        to resize (the old contents are lost)."""
+        max_seq_length: ForwardBatch.rows' layout, row b from slot b * max_seq_length), or for
+        sliding-window layers window_slots when they have pools of their own; call again to resize
+        (the old contents are lost)."""
         dtype = dtype or self.norm.weight.dtype  # norms stay float in quantized models too
         device = device or self.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
@@ -549,7 +564,8 @@ class Transformer(nn.Module):
         self.local_rotary = Rotary(self.args, local=True, device=device) if self.args.rope_local_theta else None
         for layer in self.layers:
             a = layer.attention
-            a.kv_cache = KVCache(self.num_slots, a.n_kv_heads, a.head_dim, dtype, device)
+            slots = window_slots if a.sliding and window_slots else self.num_slots
+            a.kv_cache = KVCache(slots, a.n_kv_heads, a.head_dim, dtype, device)
 
     def masks(self, positions: Tensor, kv_len: int, dtype: torch.dtype,
               sdpa_causal: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -585,13 +601,13 @@ class Transformer(nn.Module):
         # one whole sequence from position 0: full-attention layers use SDPA's causal mask
         sdpa_causal = batch.fresh and B == 1 and T > CAUSAL_SDPA_MIN_TOKENS and not self.args.attn_logit_softcapping
         masks = self.masks(batch.positions, T if batch.fresh else batch.kv_len, x.dtype, sdpa_causal)
-        context = None if batch.fresh else batch.context()  # (B, kv_len), shared by the layers
+        views = batch.views()  # the slots and contexts, shared by the layers
         for i, layer in enumerate(self.layers):
             c, s = local_rope if layer.attention.sliding else (cos, sin)
             # past the last layer's keys and values (the cache needs them), a prefill needs only the
             # next token's output: the last layer computes batch.last's token alone
             x = (block_region if self.regional else TransformerBlock.__call__)(
-                layer, x, c, s, masks, batch, context, last=i == len(self.layers) - 1)
+                layer, x, c, s, masks, views, last=batch.last if i == len(self.layers) - 1 else None)
         if batch.logit_rows is not None:
             x = x[batch.logit_rows]
         logits = self.output(self.norm(x))

@@ -13,6 +13,11 @@ Blocks: a request starts on the cached blocks that hold the longest beginning of
 content key for later requests. When a step needs a block and none is free, the most recently
 admitted running request is preempted: its blocks go back (cached ones stay cached), and it waits
 at the head of the queue to be fed again, through whatever of its prefix is still cached.
+
+Sliding-window layers need only their window's keys: a block of theirs that falls out of the
+window goes back (its table entry becomes -1). In a model with only sliding layers those are the
+request's blocks; in one that mixes them with full attention, the sliding layers have blocks of
+their own (`window_blocks`, from the `window` BlockManager).
 """
 import collections
 import threading
@@ -46,7 +51,8 @@ class Request:
     cached_tokens: int = 0  # leading tokens found in the prefix cache instead of computed
     admitted: int = 0  # its place in the order the requests were admitted
     fed: int = 0  # tokens of prompt + out with their keys and values in the cache
-    blocks: list = field(default_factory=list)  # the block table: its blocks in position order
+    blocks: list = field(default_factory=list)  # the block table: its blocks in position order (-1: released)
+    window_blocks: list = field(default_factory=list)  # the sliding layers' own blocks, where they have them
     keys: list = field(default_factory=list)  # the content key of each sealed (full) block
     cancelled: bool = False  # set from any thread: the request ends at the next step
     preemptions: int = 0
@@ -55,6 +61,10 @@ class Request:
 
     def known(self) -> list:
         return self.prompt + self.out
+
+    def tables(self) -> tuple:
+        """The block tables a forward reads: (blocks, window blocks), copied."""
+        return list(self.blocks), list(self.window_blocks)
 
     def take(self, token: Optional[int], jump: bool = True) -> list:
         """The tokens the request gains from sampling `token`: it, then (jump) the ones its grammar
@@ -113,8 +123,10 @@ class Scheduler:
     preempts when blocks run out, and hands sampled tokens to their requests (postprocess)."""
 
     def __init__(self, blocks: BlockManager, max_rows: int, fused_rows: int = 0, prefill_chunk: int = 256,
-                 max_waiting: int = 64, recompute_at: Optional[int] = None):
+                 max_waiting: int = 64, recompute_at: Optional[int] = None, window: Optional[int] = None,
+                 window_blocks: Optional[BlockManager] = None):
         self.blocks, self.max_rows, self.fused_rows = blocks, max_rows, fused_rows
+        self.window, self.window_blocks = window, window_blocks  # a sliding window: its length, its own blocks
         self.prefill_chunk, self.max_waiting = prefill_chunk, max_waiting
         self.recompute_at = recompute_at  # a LongRoPE model's switch (rope.recompute_position)
         self.waiting: collections.deque = collections.deque()
@@ -158,7 +170,7 @@ class Scheduler:
             if req in self.running and not self.make_room(req, req.fed + 1, plan):
                 decoding.remove(req)
         for req in [r for r in decoding if r in self.running]:
-            plan.rides.append((req.known()[-1], req.fed, list(req.blocks)))
+            plan.rides.append((req.known()[-1], req.fed, req.tables()))
             plan.wants.append(len(plan.rides) - 1)
             plan.requests.append(req)
         self.plan_prompts(plan)
@@ -169,8 +181,7 @@ class Scheduler:
         the short way in its cache, feeds everything again from position 0 (as transformers does)."""
         switch = self.recompute_at
         if switch is not None and 0 < req.fed <= switch < len(req.known()):
-            self.blocks.release(req.blocks)
-            req.blocks, req.keys, req.fed = [], [], 0
+            self.release(req)
 
     def drop_cancelled(self):
         with self.lock:
@@ -208,24 +219,43 @@ class Scheduler:
     def make_room(self, req: Request, end: int, plan: StepPlan) -> bool:
         """Blocks for req's positions up to end, preempting the most recently admitted other running
         requests that the plan does not hold yet; False (req itself preempted) when none is left."""
-        need = self.blocks.blocks_for(end) - len(req.blocks)
-        while need > 0:
-            got = self.blocks.allocate(need)
-            if got is not None:
-                req.blocks.extend(got)
-                return True
-            victims = [r for r in self.running if r is not req and r not in plan.requests
-                       and r not in plan.chunk_requests]
-            self.preempt(max(victims, key=lambda r: r.admitted) if victims else req)
-            if not victims:
-                return False
+        groups = [(self.blocks, req.blocks)] + ([(self.window_blocks, req.window_blocks)] if self.window_blocks else [])
+        for manager, table in groups:
+            while (need := manager.blocks_for(end) - len(table)) > 0:
+                got = manager.allocate(need)
+                if got is not None:
+                    table.extend(got)
+                    break
+                victims = [r for r in self.running if r is not req and r not in plan.requests
+                           and r not in plan.chunk_requests]
+                self.preempt(max(victims, key=lambda r: r.admitted) if victims else req)
+                if not victims:
+                    return False
         return True
+
+    def release(self, req: Request):
+        """Every block of req goes back; it has fed nothing."""
+        self.blocks.release([b for b in req.blocks if b >= 0])
+        if self.window_blocks:
+            self.window_blocks.release([b for b in req.window_blocks if b >= 0])
+        req.blocks, req.window_blocks, req.keys, req.fed = [], [], [], 0
+
+    def release_out_of_window(self, req: Request):
+        """The sliding layers' blocks that no later query can see go back: every position of theirs
+        is before the window of the next token fed (at req.fed)."""
+        if self.window is None:
+            return
+        manager, table = (self.window_blocks, req.window_blocks) if self.window_blocks else (self.blocks, req.blocks)
+        gone = max(0, req.fed - self.window + 1) // manager.block_size  # blocks wholly before the window
+        out = [b for b in table[:gone] if b >= 0]
+        if out:
+            manager.release(out)
+            table[:gone] = [-1] * min(gone, len(table))
 
     def preempt(self, req: Request):
         """Give req's blocks back and queue it first again; it resumes from whatever stays cached."""
         self.running.remove(req)
-        self.blocks.release(req.blocks)
-        req.blocks, req.keys, req.fed = [], [], 0
+        self.release(req)
         req.preemptions += 1
         self.counters["preemptions"] += 1
         with self.lock:
@@ -254,7 +284,7 @@ class Scheduler:
                 if not self.make_room(req, start + n, plan):
                     continue
                 for j in range(n):
-                    plan.rides.append((pending[j], start + j, list(req.blocks)))
+                    plan.rides.append((pending[j], start + j, req.tables()))
                     plan.requests.append(req)
                 if n == len(pending):
                     plan.wants.append(len(plan.rides) - 1)
@@ -266,7 +296,7 @@ class Scheduler:
             n = min(self.prefill_chunk, len(pending))
             if (n > budget and plan.chunks) or not self.make_room(req, start + n, plan):
                 break
-            plan.chunks.append((pending[:n], start, list(req.blocks)))
+            plan.chunks.append((pending[:n], start, req.tables()))
             plan.chunk_requests.append(req)
             budget -= n
 
@@ -304,11 +334,14 @@ class Scheduler:
                 self.counters["prefilled_tokens"] += prompt_part
                 req.fed += n
                 self.seal_full(req)
+                self.release_out_of_window(req)
         for req, token in sampled.items():
             if req.finish_reason is None and req in self.running:
                 self.hand_out(req, req.take(token, jump=self.jump_forward and token not in req.stop_ids))
 
     def seal_full(self, req: Request):
+        if not self.blocks.prefix_caching:
+            return
         bs, known = self.blocks.block_size, req.known()
         while len(req.keys) < min(min(req.fed, len(known)) // bs, len(req.blocks)):
             i = len(req.keys)
@@ -337,7 +370,7 @@ class Scheduler:
         req.finish_reason, req.error = reason, error
         if req in self.running:
             self.running.remove(req)
-            self.blocks.release(req.blocks)
+            self.release(req)
         self.counters["requests_finished"] += 1
         if req.on_finish:
             try:

@@ -423,9 +423,8 @@ class SpeculativeEngine:
         start = time.perf_counter()
         engine = self.engine
         with torch.inference_mode():
-            blocks = [engine.scratch] * engine.blocks.blocks_for(16 + self.k + 1)
             for length, pos in ((self.k + 1, 3), (2, 7), (1, 9)):  # the second call runs the dynamic graph
-                engine.run_chunk([0] * length, pos, blocks, every=True)
+                engine.run_chunk([0] * length, pos, ([], []), every=True)  # no blocks: the scratch block
             self.proposer.warm_up(sampling, host or constrained)
         log(f"compiled in {time.perf_counter() - start:.1f} s")
 

@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from conftest import random_model, run_script, save_checkpoint
-from engine import Chat, Engine
+from engine import Chat, Engine, forward_rides
 from loading import load_model
 from sampling import Sampling, logits_to_probs, sample
 
@@ -26,7 +26,7 @@ def greedy(engine, prompts, n, max_seq_length=96):
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_batched_generation_matches_per_prompt(window):
-    # different prompt lengths in one left-padded batch; a window smaller than every prompt
+    # different prompt lengths in one batch, each row at its own positions; a window smaller than every prompt
     model = random_model(sliding_window=window, n_kv_heads=1)
     engine = Engine(model)
     prompts = [[5, 9, 200], list(range(20, 31)), list(range(100, 117))]
@@ -59,27 +59,30 @@ def test_compiled_decode_matches_eager(compile_mode):
 
 
 def test_regional_compile_compiles_each_kind_of_layer_once():
-    """--compile_mode regional: the step's code defines one region per kind of layer (full and
-    sliding attention) and calls it for each of the six layers, and its logits are eager's."""
+    """--compile_mode regional: the step's code defines one region and calls it for each of the six
+    layers (sliding and full attention layers differ only by the mask they are given, now that both
+    read the same paged cache), and its logits are eager's."""
     from torch._inductor.utils import run_and_get_code
     kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
     model = kernels.install(random_model(n_layers=6, layer_types=kinds, sliding_window=4))
-    engine = Engine(model, compile=True, compile_mode="regional")
-    engine.setup(1, 32)
+    engine = Engine(model, 1, 32, compile=True, compile_mode="regional")
+    blocks = [0, 1]  # the engine's blocks 0 and 1 hold positions 0-31
     with torch.inference_mode():
-        model(torch.arange(3, 11).view(1, -1), torch.arange(8))
-        expected = copy.deepcopy(model)(torch.tensor([[17]]), torch.tensor([8]))
+        engine.run_chunk(list(range(3, 11)), 0, (blocks, []))
+        # one token at position 8: (tokens, positions, block size, kv_len, logit rows), its slot and block table
+        step = (torch.tensor([[17]]), torch.tensor([[8]]), 16, 32, torch.tensor([0]))
+        views = dict(slots=torch.tensor([[8]]), block_table=torch.tensor([blocks]))
+        expected = forward_rides(copy.deepcopy(model), *step, **views)
         torch._dynamo.reset()
-        got, (code,) = run_and_get_code(engine.decode_one_token, model, torch.tensor([[17]]), torch.tensor([8]),
-                                        torch.zeros(1, dtype=torch.long), None)
-    torch.testing.assert_close(got, expected[:, -1], atol=1e-4, rtol=0)
+        got, (code,) = run_and_get_code(engine.rides, model, *step, **views)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     regions = set(re.findall(r"# subgraph: (\w+)", code))
-    assert len(regions) == 2 and len(re.findall(r"# subgraph: \w+", code)) == 6, code
+    assert len(regions) == 1 and len(re.findall(r"# subgraph: \w+", code)) == 6, code
 
 
 @pytest.mark.parametrize("variant", [
     dict(n_kv_heads=1, attention_bias=True),  # MQA, q/k/v biases
-    dict(sliding_window=5, attn_logit_softcapping=20.0, tie_word_embeddings=False),  # ring cache, soft-capping
+    dict(sliding_window=5, attn_logit_softcapping=20.0, tie_word_embeddings=False),  # sliding window, soft-capping
 ])
 def test_compiled_decode_step_logits_match_eager(variant):
     """The compiled CPU decode step with kernels.py's fast paths (CpuAttention, CpuLinear): its
@@ -96,7 +99,7 @@ def test_compiled_decode_step_logits_match_eager(variant):
         def snapshot():
             return [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]
 
-        def rewind(saved):  # a ring cache must not see the same positions written twice
+        def rewind(saved):  # each run starts from the same cache
             for c, (k, v) in zip(caches, saved):
                 c.k_cache.copy_(k)
                 c.v_cache.copy_(v)
@@ -183,8 +186,7 @@ def test_golden_greedy_output_smollm2(smollm2):
 
 def test_chat_cache_reuse_equals_reprefill(smollm2):
     model, tok = smollm2
-    engine = Engine(model)
-    engine.setup(1, 512)
+    engine = Engine(model, 1, 512)
     turns = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]
     reuse, fresh = Chat(engine, tok), Chat(engine, tok, reuse_cache=False)
     for turn in turns:
@@ -194,7 +196,9 @@ def test_chat_cache_reuse_equals_reprefill(smollm2):
         assert a == b
         assert fresh.last_prefill_tokens == len(tok.encode(tok.apply_chat_template(fresh.messages[:-1]),
                                                             add_bos=False))
-    assert prefilled < fresh.last_prefill_tokens / 2  # the third turn prefilled only its new tokens
+    # the third turn found the earlier turns' blocks in the prefix cache: it prefilled its new tokens
+    # and what was left of the earlier ones past their last full block
+    assert prefilled < fresh.last_prefill_tokens / 2
 
 
 def test_cli_streams_text_to_stdout_and_metrics_to_stderr(smollm2_dir, tmp_path):
@@ -332,15 +336,17 @@ if __name__ == "__main__":  # PYTHONPATH=. python tests/test_generate.py --updat
 
 FAULTS_SCRIPT = """
 import resource, sys, torch
-from engine import load_model
+from loading import load_model
+from model import ForwardBatch
 model = load_model(sys.argv[1])
 model.setup_caches(1, 512)
 tokens = torch.randint(0, 1000, (1, 300))
+batch = ForwardBatch.rows(torch.arange(300), 1, 512, kv_len=300, last=torch.tensor([[299]]))
 faults = []
 with torch.inference_mode():
     for _ in range(4):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        model(tokens, torch.arange(300), last_logits_only=True, kv_len=300)
+        model(tokens, batch)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(*faults)
 """
@@ -350,7 +356,7 @@ print(*faults)
                     reason="keep_freed_memory only sets glibc's allocator; elsewhere it does nothing, "
                            "so there is no claim to check")
 def test_repeated_prefill_reuses_freed_memory(smollm2_dir):
-    # engine.keep_freed_memory: without it each prefill maps fresh pages for its activations
+    # loading.keep_freed_memory: without it each prefill maps fresh pages for its activations
     # (thousands of page faults a call, as many as the first); with it the later calls take few
     r = run_script("-c", FAULTS_SCRIPT, smollm2_dir)
     assert r.returncode == 0, r.stderr
