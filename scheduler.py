@@ -193,18 +193,19 @@ class Scheduler:
 
     def admit(self):
         """Waiting requests join while rows and blocks allow, each on the cached blocks that hold its
-        beginning (always leaving one token to feed, whose logits give the next token)."""
+        beginning (always leaving one token to feed, whose logits give the next token) and fresh
+        blocks for the rest of its tokens so far."""
         with self.lock:
             while self.waiting and len(self.running) < self.max_rows:
                 req = self.waiting[0]
                 known = req.known()
                 cached, _ = self.blocks.match(known[:len(known) - 1])
                 need = self.blocks.blocks_for(len(known)) - len(cached)
-                if need > self.blocks.free_count() - sum(self.blocks.refs[b] == 0 for b in cached) and self.running:
+                if need > self.blocks.free_count() - sum(self.blocks.refs[b] == 0 for b in cached):
                     break  # it waits for blocks; first come, first served
                 self.waiting.popleft()
                 self.blocks.acquire(cached)
-                req.blocks, req.keys = list(cached), [self.blocks.key[b] for b in cached]
+                req.blocks, req.keys = list(cached) + self.blocks.allocate(need), [self.blocks.key[b] for b in cached]
                 req.fed = req.cached_tokens = len(cached) * self.blocks.block_size
                 self.admissions += 1
                 req.admitted = self.admissions
@@ -268,7 +269,7 @@ class Scheduler:
         D = len(plan.rides)
         room = self.fused_rows - D if D else 0
         spend = STEP_ROWS + sum(1 + pos / ROW_POSITIONS for _, pos, _ in plan.rides)
-        floor, budget = MIN_PROMPT_ROWS, self.prefill_chunk
+        floor, budget, fused = MIN_PROMPT_ROWS, self.prefill_chunk, False
         prefilling = sorted((r for r in self.running if len(r.known()) - r.fed > 1), key=lambda r: r.admitted)
         for k, req in enumerate(prefilling):
             if req not in self.running or self.waits_for_others(req, prefilling[:k]):
@@ -290,8 +291,9 @@ class Scheduler:
                     plan.wants.append(len(plan.rides) - 1)
                 floor -= n
                 room = room - n if spend > 0 or floor > 0 else 0
+                fused = True
                 continue
-            if plan.rides and D:
+            if fused:  # prompts ride in the step, or go in chunks of their own: not both
                 break
             n = min(self.prefill_chunk, len(pending))
             if (n > budget and plan.chunks) or not self.make_room(req, start + n, plan):
@@ -310,20 +312,23 @@ class Scheduler:
         return any(other.fed < start + bs and other.known()[:start + bs] == mine for other in ahead)
 
     def extend_from_cache(self, req: Request):
-        """A request with only whole blocks fed takes the cached blocks that continue its tokens."""
-        bs = self.blocks.block_size
-        if not self.blocks.prefix_caching or req.fed % bs or len(req.blocks) * bs != req.fed:
+        """A request that has fed whole blocks takes the cached blocks that continue its tokens, in
+        place of the fresh ones it holds there."""
+        bs, fed = self.blocks.block_size, req.fed
+        if not self.blocks.prefix_caching or fed % bs:
             return
         known = req.known()
         cached, _ = self.blocks.match(known[:len(known) - 1])
-        more = cached[len(req.blocks):]
-        if more and cached[:len(req.blocks)] == req.blocks:
-            self.blocks.acquire(more)
-            req.blocks.extend(more)
-            req.keys.extend(self.blocks.key[b] for b in more)
-            req.fed += len(more) * bs
-            req.cached_tokens += len(more) * bs
-            self.counters.update(cached_tokens=len(more) * bs, prefix_hits=len(more) * bs)
+        more = cached[fed // bs:]
+        if not more or cached[:fed // bs] != req.blocks[:fed // bs]:
+            return
+        self.blocks.acquire(more)
+        self.blocks.release(req.blocks[fed // bs:len(cached)])
+        req.blocks[fed // bs:len(cached)] = more
+        req.keys.extend(self.blocks.key[b] for b in more)
+        req.fed += len(more) * bs
+        req.cached_tokens += len(more) * bs
+        self.counters.update(cached_tokens=len(more) * bs, prefix_hits=len(more) * bs)
 
     def postprocess(self, plan: StepPlan, fed: dict, sampled: dict):
         """After the step ran: fed (request -> tokens its keys were written for) advance and seal
