@@ -59,12 +59,12 @@ def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_s
 
 
 def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
-                  fresh: bool, every: bool, **views) -> Tensor:
-    """A chunk of one sequence's tokens (1, T): the logits of its last token (1, V), or of every
-    token (T, V). fresh: nothing is cached before it; views as forward_rides'."""
-    last = None if every else torch.full((1, 1), tokens.shape[1] - 1, device=tokens.device)
+                  fresh: bool, last: Optional[Tensor], **views) -> Tensor:
+    """Chunks of B sequences (B, T), a shorter one padded at its end: the logits of each one's last
+    token (B, 1, V) (last (B, 1): where that is), or of every token (B, T, V). fresh: nothing is
+    cached before them; views as forward_rides'."""
     batch = ForwardBatch(positions, block_size=block_size, kv_len=kv_len, last=last, fresh=fresh, **views)
-    return model(tokens, batch)[0]
+    return model(tokens, batch)
 
 
 def bucket(n: int, limit: int, smallest: int = 128) -> int:
@@ -272,8 +272,27 @@ class Engine:
         logits (L, V) or, when the plan samples in the step, their tokens (L, 1); and each chunk's
         last logits (V,) (every token's (T, V) for a chunk marked so)."""
         out = self.run_rides(plan) if plan.rides else None
-        chunks = [self.run_chunk(*chunk) for chunk in plan.chunks]
+        every = [i for i, chunk in enumerate(plan.chunks) if len(chunk) > 3 and chunk[3]]
+        prompts = [chunk for i, chunk in enumerate(plan.chunks) if i not in every]
+        logits = iter(self.run_prompts(prompts) if prompts else [])
+        chunks = [self.run_chunk(*chunk) if i in every else next(logits) for i, chunk in enumerate(plan.chunks)]
         return out, chunks
+
+    def run_prompts(self, chunks: list) -> Tensor:
+        """Prompt chunks (tokens, start, tables) in one forward, each padded at its end to the
+        longest: each one's last logits (C, V). A few tokens after cached ones (a grammar's forced
+        tokens) go alone through the graph compiled for any count."""
+        if len(chunks) == 1:
+            return self.run_chunk(*chunks[0][:3]).unsqueeze(0)
+        T, device = max(len(tokens) for tokens, *_ in chunks), self.device
+        rows = [(tokens + [0] * (T - len(tokens)), start, tables) for tokens, start, tables, *_ in chunks]
+        kv_len = max(start for _, start, _ in rows) + T
+        views = self.batch_views(rows, self.blocks.blocks_for(kv_len))
+        last = torch.tensor([[len(tokens) - 1] for tokens, *_ in chunks], device=device)
+        positions = torch.tensor([[start + t for t in range(T)] for _, start, _ in rows], device=device)
+        logits = self.long_chunk(self.model, torch.tensor([tokens for tokens, _, _ in rows], device=device), positions,
+                                 self.block_size, kv_len, all(start == 0 for _, start, _ in rows), last, **views)
+        return logits[:, -1]
 
     def tables_and_slots(self, rows: list, n: int, group: int) -> tuple:
         """The block tables (R, n) and the slots of the tokens (R, T) of rows (tokens, start,
@@ -320,9 +339,10 @@ class Engine:
         # a few tokens after cached ones (a verify, what a grammar forced): one graph for any count,
         # every token's logits; a prompt: eager (or compiled with compile_prefill), the last one's
         short = T <= kernels.MAX_TOKENS and start > 0
+        last = None if every or short else torch.tensor([[T - 1]], device=device)
         logits = (self.short_chunk if short else self.long_chunk)(
             self.model, torch.tensor([tokens], device=device), torch.arange(start, start + T, device=device).view(1, -1),
-            self.block_size, start + T, start == 0, every or short, **views)
+            self.block_size, start + T, start == 0, last, **views)[0]
         return logits if every else logits[-1]
 
     def step_width(self, rows: int) -> int:

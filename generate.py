@@ -36,7 +36,7 @@ from engine import ONE_SEQUENCE, Chat, Engine, log
 from loading import check_vocabulary, load_model, meta_model, parse_device, parse_dtype
 from errors import UserError, run_cli
 from grammar import Grammars
-from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, weight_bytes
+from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, tokens_that_fit, weight_bytes
 from model import ModelArgs, param_bytes
 from rope import trained_context
 from sampling import MAX_LOGPROBS, Sampling, check_sampling
@@ -382,8 +382,9 @@ def run_interactive(engine, tok: Tokenizer, args, sampling: Sampling, options) -
 
 def memory_needs(args, prompts, max_seq_length: int, dtype, draft_dtype) -> Callable:
     """For load_model's memory check, what the run allocates beside the target's weights, given the
-    target as it is built (a rank's shard): its KV cache, the batch's logits, the prefill's
-    activations, and a draft's weights and KV cache (every rank holds the whole draft)."""
+    target as it is built (a rank's shard): a KV cache for one sequence at least (more sequences
+    than memory holds run in turns), the batch's logits, a prompt's activations, and a draft's
+    weights and KV cache (every rank holds the whole draft)."""
     batch = len(prompts) if prompts else 1
     prompt_tokens = max(len(p) for p in prompts) if prompts else max_seq_length  # a chat turn: the conversation
     length = "--max_seq_length" if args.max_seq_length is not None or args.interactive else "--max_new_tokens"
@@ -395,12 +396,12 @@ def memory_needs(args, prompts, max_seq_length: int, dtype, draft_dtype) -> Call
     draft = meta_model(checkpoint.read_config(args.draft_checkpoint)) if args.draft_checkpoint else None
 
     def needs(model) -> list:
-        out = [Need("the KV cache", kv_cache_bytes(model, batch, max_seq_length, dtype), lower_cache,
-                    f" for {rows} of {max_seq_length} tokens"),
+        out = [Need("the KV cache", kv_cache_bytes(model, 1, max_seq_length, dtype), f"lower {length}",
+                    f" for one sequence of {max_seq_length} tokens"),
                Need("the logits", logits_bytes(model.args.vocab_size, batch), lower_rows or lower_cache, f" of {rows}"),
-               Need("the prefill", activation_bytes(model.args, batch * prompt_tokens, prompt_tokens, dtype),
-                    "lower --max_seq_length" if args.interactive else lower_rows or "shorten the prompt",
-                    f" of {rows} of {prompt_tokens} tokens")]
+               Need("the prefill", activation_bytes(model.args, prompt_tokens, prompt_tokens, dtype),
+                    "lower --max_seq_length" if args.interactive else "shorten the prompt",
+                    f" of {prompt_tokens} tokens")]
         if draft is not None:
             out += [Need("the draft's weights", weight_bytes(draft, draft_dtype),
                          "pass a smaller --draft_dtype or a smaller --draft_checkpoint", f" in {dtype_name(draft_dtype)}"),
@@ -433,8 +434,14 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
     log(f"{made} ({model.args.architecture}, {size / 1e6:.0f} MB of weights "
         f"in {args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
     # every prompt in one chunk (as a request's first forward), each step attending over the whole
-    # length: one compiled graph; the rows' tokens sampled inside it where they can be
-    engine = Engine(model, rows, max_seq_length, compile=args.compile, compile_prefill=args.compile_prefill,
+    # length: one compiled graph; the rows' tokens sampled inside it where they can be. A cache for
+    # every row if memory holds it, else for fewer: the rows then run in turns
+    reserve = logits_bytes(model.args.vocab_size, rows) + activation_bytes(model.args, max_seq_length, max_seq_length,
+                                                                           dtype)
+    kv_tokens = tokens_that_fit(model, dtype, rows * max_seq_length, max_seq_length, device, reserve)
+    if kv_tokens < rows * max_seq_length:
+        log(f"the KV cache holds {kv_tokens} tokens, not {rows} x {max_seq_length}: the sequences run in turns")
+    engine = Engine(model, rows, max_seq_length, kv_tokens, compile=args.compile, compile_prefill=args.compile_prefill,
                     compile_mode=args.compile_mode, prefill_chunk=max_seq_length, kv_buckets=False)
     if args.ngram is not None:
         proposer = speculative.NgramProposer(args.ngram)

@@ -59,25 +59,25 @@ def test_compiled_decode_matches_eager(compile_mode):
 
 
 def test_regional_compile_compiles_each_kind_of_layer_once():
-    """--compile_mode regional: the step's code defines one region and calls it for each of the six
-    layers (sliding and full attention layers differ only by the mask they are given, now that both
-    read the same paged cache), and its logits are eager's."""
+    """--compile_mode regional: the step's code defines one region per kind of layer (full and
+    sliding attention, which keep keys in pools of their own) and calls it for each of the six
+    layers, and its logits are eager's."""
     from torch._inductor.utils import run_and_get_code
     kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
     model = kernels.install(random_model(n_layers=6, layer_types=kinds, sliding_window=4))
     engine = Engine(model, 1, 32, compile=True, compile_mode="regional")
-    blocks = [0, 1]  # the engine's blocks 0 and 1 hold positions 0-31
+    tables = ([0, 1], [0, 1])  # blocks 0 and 1 of each kind of layer hold positions 0-31
     with torch.inference_mode():
-        engine.run_chunk(list(range(3, 11)), 0, (blocks, []))
-        # one token at position 8: (tokens, positions, block size, kv_len, logit rows), its slot and block table
+        engine.run_chunk(list(range(3, 11)), 0, tables)
+        # one token at position 8: (tokens, positions, block size, kv_len, logit rows), its slots and tables
         step = (torch.tensor([[17]]), torch.tensor([[8]]), 16, 32, torch.tensor([0]))
-        views = dict(slots=torch.tensor([[8]]), block_table=torch.tensor([blocks]))
+        views = engine.batch_views([([17], 8, tables)], 2)
         expected = forward_rides(copy.deepcopy(model), *step, **views)
         torch._dynamo.reset()
         got, (code,) = run_and_get_code(engine.rides, model, *step, **views)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     regions = set(re.findall(r"# subgraph: (\w+)", code))
-    assert len(regions) == 1 and len(re.findall(r"# subgraph: \w+", code)) == 6, code
+    assert len(regions) == 2 and len(re.findall(r"# subgraph: \w+", code)) == 6, code
 
 
 @pytest.mark.parametrize("variant", [
