@@ -1,5 +1,6 @@
 """The KV cache's blocks: which are free, which sequences hold them, and which hold a prefix that a
-later request can use again (no torch: plain bookkeeping the scheduler runs).
+later request can use again (no torch: plain bookkeeping the scheduler runs, and a `store` for the
+blocks on disk, prompt_store.PromptStore, which the engine gives it).
 
 The cache is num_blocks blocks of block_size token slots (model.KVCache's pools). A sequence holds
 a block table, its blocks in position order. A block whose slots are all written is *full*, and is
@@ -32,6 +33,7 @@ class BlockManager:
         self.by_key: dict = {}  # content key -> block, for the blocks that hold it
         self.fresh = collections.deque(range(num_blocks))  # blocks holding nothing worth keeping
         self.idle: collections.OrderedDict = collections.OrderedDict()  # cached blocks nobody holds, oldest first
+        self.store = None  # blocks on disk: has(key), load(key, block), save(key, block)
 
     def free_count(self) -> int:
         """Blocks that allocate() can hand out: fresh ones and idle cached ones."""
@@ -53,10 +55,23 @@ class BlockManager:
             key = block_key(parent, tokens[start:start + self.block_size])
             block = self.by_key.get(key)
             if block is None:
+                block = self.from_store(key)
+            if block is None:
                 break
             blocks.append(block)
             parent = key
         return blocks, parent
+
+    def from_store(self, key: bytes) -> Optional[int]:
+        """A block loaded from the store under key (cached, nobody holding it), or None."""
+        if self.store is None or not self.store.has(key) or not (got := self.allocate(1)):
+            return None
+        if not self.store.load(key, got[0]):
+            self.release(got)
+            return None
+        self.key[got[0]], self.by_key[key] = key, got[0]
+        self.release(got)
+        return got[0]
 
     def acquire(self, blocks: list):
         """One more holder for each of blocks (cached ones leave the idle list)."""
@@ -93,12 +108,15 @@ class BlockManager:
                 else:
                     self.fresh.append(b)
 
-    def seal(self, block: int, parent: bytes, tokens: list) -> bytes:
+    def seal(self, block: int, parent: bytes, tokens: list, persist: bool = False) -> bytes:
         """Block is full with tokens after the block whose key is parent: give it its content key,
-        findable by match() unless another block already holds that content. Returns the key."""
+        findable by match() unless another block already holds that content, and (persist) write
+        it to the store. Returns the key."""
         key = block_key(parent, tokens)
         if self.prefix_caching and self.key[block] is None and key not in self.by_key:
             self.key[block], self.by_key[key] = key, block
+        if persist and self.store is not None:
+            self.store.save(key, block)
         return key
 
     def forget(self, block: int):

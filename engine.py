@@ -126,6 +126,7 @@ class Engine:
             fused = compile and self.device.type == "cpu" and kernels.available() and not self.pad_rows
             fused_rows = 64 if fused else 0
         self.fused_rows, self.prefill_chunk, self.max_waiting = fused_rows, prefill_chunk, max_waiting
+        self.store = None  # the prefix cache on disk (prompt_store.PromptStore), when one is open
         self.setup(max_batch_size, max_seq_length, kv_tokens, prefix_caching)
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
         self.wakeup = threading.Event()  # set by submit and cancel
@@ -161,6 +162,7 @@ class Engine:
         # a prefix's keys are reused where they do not depend on what follows it, nor leave a window
         prefix_caching = prefix_caching and recompute_position(args) is None and not any(sliding)
         self.blocks = BlockManager(num_blocks, bs, prefix_caching)
+        self.blocks.store = self.store
         self.scratch, self.window_blocks, window_slots = num_blocks, None, None
         if any(sliding) and not all(sliding):
             per_request = min(-(-(args.sliding_window + self.chunk_tokens()) // bs), -(-self.max_seq_length // bs)) + 1

@@ -38,6 +38,7 @@ from errors import UserError, run_cli
 from grammar import Grammars
 from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, tokens_that_fit, weight_bytes
 from model import ModelArgs, param_bytes
+from prompt_store import open_store
 from rope import trained_context
 from sampling import MAX_LOGPROBS, Sampling, check_sampling
 from tokenizer import StopStrings, Tokenizer
@@ -209,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare_plain", action="store_true",
                    help="with speculation: also decode without it and print both speeds (and, greedy, "
                         "whether the outputs are identical)")
+    p.add_argument("--prompt_cache", type=Path, default=None, metavar="DIR",
+                   help="keep the prompts' KV cache blocks on disk here too: a later run that meets the same "
+                        "prompt beginning loads them instead of computing them")
+    p.add_argument("--prompt_cache_gb", type=float, default=4.0, help="the --prompt_cache folder's size at most")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler trace of the last sample here")
     p.add_argument("--metrics_json", type=Path, default=None, help="write the metrics as a JSON list here")
     return p
@@ -443,6 +448,9 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
         log(f"the KV cache holds {kv_tokens} tokens, not {rows} x {max_seq_length}: the sequences run in turns")
     engine = Engine(model, rows, max_seq_length, kv_tokens, compile=args.compile, compile_prefill=args.compile_prefill,
                     compile_mode=args.compile_mode, prefill_chunk=max_seq_length, kv_buckets=False)
+    if args.prompt_cache is not None and not args.shape:
+        open_store(args.prompt_cache, args.checkpoint, model, engine, tp.rank if tp is not None else 0,
+                   int(args.prompt_cache_gb * 2 ** 30))
     if args.ngram is not None:
         proposer = speculative.NgramProposer(args.ngram)
     elif args.draft_checkpoint:  # under torchrun every rank holds the whole (small) draft

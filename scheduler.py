@@ -351,7 +351,9 @@ class Scheduler:
         while len(req.keys) < min(min(req.fed, len(known)) // bs, len(req.blocks)):
             i = len(req.keys)
             parent = req.keys[-1] if req.keys else ROOT
-            req.keys.append(self.blocks.seal(req.blocks[i], parent, known[i * bs:(i + 1) * bs]))
+            # the prompt's blocks go to the store too (a restart meets the same prompts)
+            req.keys.append(self.blocks.seal(req.blocks[i], parent, known[i * bs:(i + 1) * bs],
+                                             persist=(i + 1) * bs <= len(req.prompt)))
 
     def hand_out(self, req: Request, tokens: list):
         """A request's new tokens (a sampled one and any its grammar forced after it): to its

@@ -46,6 +46,7 @@ from errors import UserError, run_cli
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
 from model import param_bytes
 from openai_api import Server, build_app
+from prompt_store import open_store
 from rope import recompute_position, trained_context
 from scheduler import StepPlan
 from tokenizer import Tokenizer
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix_reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="the prefix cache: a request uses the cached blocks of the longest beginning it shares with "
                         "earlier requests and prefills only the rest (default: on)")
+    p.add_argument("--prompt_cache", type=Path, default=None, metavar="DIR",
+                   help="keep the prompts' KV cache blocks on disk here too: after a restart a request that "
+                        "begins like an earlier one loads them instead of computing them")
+    p.add_argument("--prompt_cache_gb", type=float, default=4.0, help="the --prompt_cache folder's size at most")
     p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
                    help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
                         "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
@@ -217,6 +222,9 @@ def load_engine(args, tp) -> tuple[Tokenizer, Engine]:
     engine = Engine.for_serving(model, args.max_batch_size, args.max_seq_length, kv_tokens=kv_tokens(args),
                                 compile=args.compile, compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk,
                                 max_waiting=args.max_waiting, prefix_caching=args.prefix_reuse, prepack=args.prepack)
+    if args.prompt_cache is not None and engine.blocks.prefix_caching:
+        open_store(args.prompt_cache, args.checkpoint, model, engine, tp.rank if tp is not None else 0,
+                   int(args.prompt_cache_gb * 2 ** 30))
     return tokenizer, engine
 
 
