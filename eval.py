@@ -22,14 +22,16 @@ if __name__ == "__main__":
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from tqdm import tqdm
 
 import checkpoint
-from engine import log
-from loading import check_vocabulary, load_model, parse_device, parse_dtype
+from engine import Engine, log
 from errors import UserError, run_cli
+from loading import check_vocabulary, load_model, parse_device, parse_dtype
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
 from rope import trained_context
+from scheduler import Request
 from tokenizer import Tokenizer
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
@@ -38,10 +40,11 @@ DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
 @torch.inference_mode()
 def perplexity(model, ids: list, window: int, stride: int, chunk: int = 0,
                progress: bool = False) -> tuple[float, int]:
-    """(perplexity, tokens scored) of the token ids under the model. chunk > 0: each window goes
-    through the model `chunk` tokens at a time, through the KV cache, as decoding does. progress:
-    a bar over the windows on stderr, when it is a terminal."""
-    model.setup_caches(1, window)
+    """(perplexity, tokens scored) of the token ids under the model. Each window is a request of
+    the engine's, fed through its steps (Engine.feed: every token's logits); chunk > 0: `chunk`
+    tokens at a time, through the KV cache, as decoding does. progress: a bar over the windows on
+    stderr, when it is a terminal."""
+    engine = Engine(model, 1, window, prefix_caching=False)
     device = model.norm.weight.device
     nll, scored, next_target = 0.0, 0, 1  # token 0 has no context and is never predicted
     starts = list(range(0, max(len(ids) - 1, 1), stride))
@@ -49,11 +52,7 @@ def perplexity(model, ids: list, window: int, stride: int, chunk: int = 0,
               disable=not (progress and sys.stderr.isatty())) as bar:
         for begin in bar:
             end = min(begin + window, len(ids))
-            tokens = torch.tensor([ids[begin:end]], device=device)
-            length = end - begin
-            step = chunk or length
-            logits = torch.cat([model(tokens[:, c:c + step], torch.arange(c, min(c + step, length), device=device))[0]
-                                for c in range(0, length, step)])  # (T, vocab), float32
+            logits = window_logits(engine, ids[begin:end], chunk)  # (T, vocab), float32
             first = max(next_target, begin + 1)  # first position this window scores
             targets = torch.tensor(ids[first:end], device=device)
             nll += F.cross_entropy(logits[first - 1 - begin:end - 1 - begin], targets, reduction="sum").item()
@@ -63,6 +62,20 @@ def perplexity(model, ids: list, window: int, stride: int, chunk: int = 0,
             if end == len(ids):
                 break
     return math.exp(nll / scored), scored
+
+
+def window_logits(engine: Engine, tokens: list, chunk: int) -> Tensor:
+    """Every token's logits (T, V) of one window, a request fed `chunk` tokens a step (0: at once)."""
+    request = Request(tokens, 0)
+    engine.start(request)
+    step, logits = chunk or len(tokens), []
+    try:
+        for c in range(0, len(tokens), step):
+            logits.append(engine.feed(request, tokens[c:c + step], every=True))
+            engine.keep(request, len(tokens[c:c + step]))
+    finally:
+        engine.scheduler.finish(request, "stop")
+    return torch.cat(logits)
 
 
 def memory_needs(model, args, window: int, dtype) -> list:

@@ -212,3 +212,37 @@ def test_a_prompt_larger_than_the_cache_is_a_user_error():
     engine = Engine(random_model(), 1, 64, kv_tokens=32)
     with pytest.raises(UserError, match="KV cache"):
         engine.generate([list(range(40))], 8, Sampling())
+
+
+# ---------------------------------------------------------------- the prefix cache on disk
+
+def test_a_restarted_engine_loads_the_prompt_blocks_from_disk(tmp_path, capfd):
+    from conftest import save_checkpoint
+    from prompt_store import open_store
+    model = random_model(device=TEST_DEVICE)
+    ckpt = save_checkpoint(model, tmp_path / "ckpt")
+    prompt = list(range(3, 60))
+    first = Engine(copy.deepcopy(model), 1, 128)
+    store = open_store(tmp_path / "cache", ckpt, first.model, first)
+    (cold,), stats = first.generate([prompt], 8, Sampling())
+    files = sorted(store.folder.glob("*.safetensors"))
+    assert stats.cached_tokens == 0 and len(files) == 3  # the prompt's three full blocks
+    again = Engine(copy.deepcopy(model), 1, 128)  # a new process, as far as the cache knows
+    open_store(tmp_path / "cache", ckpt, again.model, again)
+    (hot,), stats = again.generate([prompt], 8, Sampling())
+    assert hot == cold and stats.cached_tokens == 48
+    files[1].write_bytes(b"not a block")  # a damaged file: skipped with a warning, the rest computed
+    third = Engine(copy.deepcopy(model), 1, 128)
+    open_store(tmp_path / "cache", ckpt, third.model, third)
+    (out,), stats = third.generate([prompt], 8, Sampling())
+    assert out == cold and stats.cached_tokens == 16 and "skipped" in capfd.readouterr().err
+
+
+def test_the_disk_cache_keeps_under_its_size(tmp_path):
+    from conftest import save_checkpoint
+    from prompt_store import open_store
+    model = random_model(device=TEST_DEVICE)
+    engine = Engine(model, 1, 256)
+    store = open_store(tmp_path / "cache", save_checkpoint(model, tmp_path / "ckpt"), model, engine, max_bytes=1)
+    engine.generate([list(range(3, 100))], 4, Sampling())
+    assert len(list(store.folder.glob("*.safetensors"))) <= 1
