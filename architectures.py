@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from errors import ConvertError
-from model import CONFIG_MAX, ModelArgs
+from config_checks import CONFIG_MAX
+from model import ModelArgs
 
 # HF config "architectures" entry -> our architecture name
 HF_ARCHITECTURES = {

@@ -120,7 +120,7 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
     fields.update(family.fields(cfg))
     try:  # each field's type and range checked as at load, those passed through unread (sliding_window, layer_types) too
         return ModelArgs.from_dict(fields)
-    except ValueError as e:  # model.ConfigError: a configuration the model refuses
+    except ValueError as e:  # config_checks.ConfigError: a configuration the model refuses
         raise ConvertError(f"config.json: {e}") from None
 
 
