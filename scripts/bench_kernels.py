@@ -10,7 +10,8 @@
     python -m scripts.bench_kernels --what attend    # a batch step's attention and its read rate
 
 Run from the repository root. The model runs with kernels.py's CPU paths installed, as
-engine.load_model does.
+loading.load_model does, through the engine's forwards (engine.forward_chunk for a prompt,
+engine.forward_rides for a decode step) over a paged cache of BLOCK_SIZE-token blocks.
 
 Every row of a table is timed in the same process, in interleaved rounds (median shown), so
 the ratios hold even when the machine drifts. Speeds of whole runs are scripts/bench.py's job.
@@ -30,12 +31,30 @@ import packing
 import qlayers
 import quantize as Q
 from checkpoint import write_json
-from engine import bucket, decode_one_token, prefill
+from engine import BLOCK_SIZE, bucket, forward_chunk, forward_rides
 from loading import load_model
 from model import ModelArgs
 from sampling import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def prefill(model, tokens: torch.Tensor, forward=forward_chunk) -> torch.Tensor:
+    """A prompt's first chunk as the engine runs it (engine.forward_chunk, or its compiled `forward`):
+    tokens (1, T) from position 0 in the cache's first blocks, nothing cached before them; the
+    last position's logits (1, V)."""
+    T, device = tokens.shape[1], tokens.device
+    positions = torch.arange(T, device=device).view(1, -1)  # (1, T); in blocks 0, 1, ...: slot = position
+    table = torch.arange(-(-T // BLOCK_SIZE), device=device).view(1, -1)
+    return forward(model, tokens, positions, positions, table, BLOCK_SIZE, T, True, False)
+
+
+def decode_inputs(model, token: int, position: int) -> tuple:
+    """forward_rides' inputs after the model: one row at `position` of a sequence in the cache's
+    first blocks, reading the whole cache (model.setup_caches(1, max_seq_length)), its logits wanted."""
+    tokens, positions = torch.tensor([[token]]), torch.tensor([[position]])  # (1, 1)
+    table = torch.arange(model.max_seq_length // BLOCK_SIZE).view(1, -1)
+    return tokens, positions, positions, table, BLOCK_SIZE, model.max_seq_length, torch.tensor([0])
 
 
 def timed(fns: dict, rounds: int, calls: int) -> dict:
@@ -200,13 +219,13 @@ def bench_verify(model, options):
     """A decode step against a (k+1)-token forward (compiled with kernels.small_linear, compiled
     with BLAS, eager); and one layer's product at several token counts: compiled
     multiply-and-sum, BLAS and kernels.small_linear."""
-    s, pad = Sampling(), torch.zeros(1, dtype=torch.long)
+    s = Sampling()
     model.setup_caches(1, 512)
-    step = torch.compile(decode_one_token, fullgraph=True)
+    step = torch.compile(forward_rides, fullgraph=True)  # the engine's decode step, sampling included
     verify = torch.compile(lambda m, t, p: m(t, p)[0].argmax(-1), fullgraph=True, dynamic=False)
     k = options.speculate_k
     tokens, positions = torch.arange(5, 6 + k).view(1, -1), torch.arange(100, 101 + k)
-    cur, pos = torch.tensor([[5]]), torch.tensor([100])
+    one = decode_inputs(model, 5, 100)
     # the same verify traced with kernels.small_linear switched off: a compiled graph reads the
     # switch once, when it is traced (a separate lambda is a separate graph)
     verify_blas = torch.compile(lambda m, t, p: m(t, p)[0].argmax(-1), fullgraph=True, dynamic=False)
@@ -214,7 +233,7 @@ def bench_verify(model, options):
         verify_blas(model, tokens, positions)
 
     with torch.inference_mode():
-        ms = timed({"decode step, compiled": lambda: step(model, cur, pos, pad, s),
+        ms = timed({"decode step, compiled": lambda: step(model, *one, s),
                     f"{k + 1}-token verify, compiled": lambda: verify(model, tokens, positions),
                     f"{k + 1}-token verify, compiled, BLAS instead of kernels.small_linear":
                         lambda: verify_blas(model, tokens, positions),
@@ -287,22 +306,20 @@ def bench_prefill(model, options):
     repeated hot, then eager against compiled prefill."""
     T = 494
     model.setup_caches(1, 640)
-    tokens, positions = torch.randint(0, model.args.vocab_size, (1, T)), torch.arange(T)
-    pad, s = torch.zeros(1, dtype=torch.long), Sampling()
-    compiled = torch.compile(prefill, dynamic=True, fullgraph=True)
+    tokens = torch.randint(0, model.args.vocab_size, (1, T))
+    compiled = torch.compile(forward_chunk, dynamic=True, fullgraph=True)  # the engine's --compile_prefill
     with torch.inference_mode():
-        prefill(model, tokens, positions, pad, s, T)
+        prefill(model, tokens)
         with torch.profiler.profile() as prof:
-            prefill(model, tokens, positions, pad, s, T)
+            prefill(model, tokens)
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
         print(f"| operator (eager {T}-token prefill) | share of self CPU time |\n|---|---|")
         for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]:
             print(f"| {e.key} | {100 * e.self_cpu_time_total / total:.0f}% |")
-        ms = timed({"eager": lambda: prefill(model, tokens, positions, pad, s, T),
-                    "compiled (--compile_prefill)": lambda: compiled(model, tokens, positions, pad, s, T)},
-                   options.rounds, 1)
-        parts = prefill_parts(model, lambda: prefill(model, tokens, positions, pad, s, T), options.rounds)
+        ms = timed({"eager": lambda: prefill(model, tokens),
+                    "compiled (--compile_prefill)": lambda: prefill(model, tokens, compiled)}, options.rounds, 1)
+        parts = prefill_parts(model, lambda: prefill(model, tokens), options.rounds)
     print(f"\n| eager {T}-token prefill, by wall clock | ms | share | GFLOP/s |\n|---|---|---|---|")
     print(f"| whole | {parts['whole']:.0f} | | {parts['gflop'] / parts['whole'] * 1e3:.0f} |")
     for name, key in (("weights' GEMMs (oneDNN), %.0f GFLOP" % parts["gflop"], "gemm"),
@@ -340,29 +357,34 @@ def bench_gemm(args: ModelArgs, options):
 
 def bench_attend(args: ModelArgs, options) -> dict:
     """A batch step's attention over every layer (kernels.attend, milliseconds a step) and the
-    rate it reads keys and values at, over a server's cache (17 rows of 4,096 positions a layer,
-    so that they come from memory, as in a step, where the weights pass through the caches),
-    under a step's mask: as wide as BatchEngine's bucket of the position."""
+    rate it reads keys and values at, over a server's paged cache (a pool of 17 x 4,096 slots a
+    layer, so that they come from memory, as in a step, where the weights pass through the caches;
+    each of 16 sequences in BLOCK_SIZE-token blocks scattered over it, read in place through their
+    slots), under a step's mask: as wide as the engine's bucket of the position."""
     if not kernels.available():
         print("attend: the kernels could not be built here", file=sys.stderr)
         return {}
     H, G, L, S = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.n_layers, 4096
     D = args.head_dim or args.dim // args.n_heads
     dtype = getattr(torch, options.dtype)
-    caches = [(torch.randn(17, H, S, D).to(dtype), torch.randn(17, H, S, D).to(dtype)) for _ in range(L)]
+    caches = [(torch.randn(17 * S, H, D).to(dtype), torch.randn(17 * S, H, D).to(dtype)) for _ in range(L)]
+    per_row = S // BLOCK_SIZE
+    tables = torch.randperm(17 * per_row, generator=torch.Generator().manual_seed(0))[:16 * per_row].view(16, -1)
+    positions = torch.arange(S)
+    row_slots = tables[:, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE  # (16, S)
     print(f"| {options.dtype} cache: rows | position | ms a step | keys and values read (GB/s) |\n|---|---|---|---|")
     result = {}
     with torch.inference_mode():
         for B in (2, 16, 64):
-            rows = torch.arange(B) % 16  # 16 cache rows (a prompt chunk's rows share one)
+            rows = torch.arange(B) % 16  # 16 sequences (a prompt chunk's rows share one)
             for pos in (300, 1000, 3000):
                 q = torch.randn(B, H, G, D)
                 width = bucket(pos + 1, S)
                 mask = torch.zeros(B, 1, 1, width)
                 mask[..., pos:] = float("-inf")
-                step = [(k[:, :, :width], v[:, :, :width]) for k, v in caches]
-                ms = timed({"attend": lambda: [kernels.attend(q, k, v, mask, D ** -0.5, 0.0, rows) for k, v in step]},
-                           options.rounds, 2)["attend"]
+                slots = row_slots[rows, :width]  # (B, width)
+                step = lambda: [kernels.attend(q, k, v, mask, D ** -0.5, 0.0, slots) for k, v in caches]  # noqa: E731
+                ms = timed({"attend": step}, options.rounds, 2)["attend"]
                 gbs = 2 * L * B * H * pos * D * caches[0][0].element_size() / (ms * 1e6)
                 print(f"| {B} | {pos} | {ms:.2f} | {gbs:.1f} |")
                 result[f"{B} rows at {pos}"] = {"ms": ms, "GB/s": gbs}

@@ -4,8 +4,8 @@ Granite, Phi-3 (LongRoPE, partial rotary) and the mixtures of experts Mixtral an
 As in tests/test_hf_parity.py, whose helpers these cases reuse: a tiny random model built by
 transformers from a config (no download), saved, converted by convert_hf_checkpoint.py; in float32
 the prefill logits and every cached decode step within 1e-4, and 32 greedy tokens identical. The
-mixtures of experts also: a decode step reads only the experts its tokens chose, a batch equals
-each prompt alone, a compiled model equals eager. Config fields we do not implement are refused
+mixtures of experts also: a decode step reads only the experts its tokens chose, a batch (and
+continuously batched requests) equals each prompt alone, a compiled model equals eager. Config fields we do not implement are refused
 by the converter with one line naming the field.
 
 Run: python -m pytest -q tests/test_architectures.py
@@ -21,13 +21,15 @@ import transformers  # noqa: F401 -- the oracle: a test environment without it f
 import kernels
 from conftest import random_model
 from convert_hf import convert_hf_checkpoint, hf_config_to_args, mxfp4_to_float
-from engine import BatchEngine, Chat, Engine, Request
+import scheduler
+from engine import Chat, Engine
 from errors import ConvertError
 from loading import load_model
 from model import CAUSAL_SDPA_MIN_TOKENS, MoEFeedForward, Transformer, param_bytes
 from sampling import Sampling
-from test_hf_parity import (DECODE_STEPS, MISTAKE_MIN, PROMPT_LEN, TOL, build_hf_model, greedy, hf_greedy, load_hf,
-                            load_ours, max_diff, tokens)
+from scheduler import Request
+from test_hf_parity import (DECODE_STEPS, MISTAKE_MIN, PROMPT_LEN, TOL, build_hf_model, fresh_prefill, greedy,
+                            hf_greedy, load_hf, load_ours, max_diff, tokens)
 
 HEAD_DIM = 16  # BASE: hidden 64 over 4 heads
 
@@ -117,23 +119,24 @@ def test_prefill_and_cached_decode_match_hf(case, fast_paths):
                                   "qwen3_moe_top4_unnormalized"])
 @torch.inference_mode()
 def test_long_prefill_matches_hf(name, tmp_path):
-    """A prompt longer than CAUSAL_SDPA_MIN_TOKENS from slot 0: full-attention layers take SDPA's
-    causal mask (the sinks then build their own), LongRoPE its long factors, the experts their
-    grouped path; the last position alone too."""
+    """A prompt longer than CAUSAL_SDPA_MIN_TOKENS from position 0 as a fresh chunk (the engine's
+    first chunk of a prompt): full-attention layers take SDPA's causal mask (the sinks then build
+    their own), LongRoPE its long factors, the experts their grouped path; the last position alone
+    too (ForwardBatch.last)."""
     hf_dir, our_dir = convert(name, tmp_path)
     hf, ours = load_hf(hf_dir), load_ours(our_dir)
     T = CAUSAL_SDPA_MIN_TOKENS + 40
     ours.setup_caches(max_batch_size=1, max_seq_length=T + 8)
     ids = tokens(T, seed=4)
     expected = hf(ids).logits
-    diffs = [max_diff(ours(ids, torch.arange(T), kv_len=T), expected),
-             max_diff(ours(ids, torch.arange(T), kv_len=T, last_logits_only=True), expected[:, -1:])]
+    diffs = [max_diff(fresh_prefill(ours, ids), expected),
+             max_diff(fresh_prefill(ours, ids, last=True), expected[:, -1:])]
     assert max(diffs) <= TOL, f"{name}: {diffs}"
 
 
 @torch.inference_mode()
 def greedy_as_hf_generate(model, prompt: torch.Tensor, n: int) -> list[int]:
-    """test_hf_parity.greedy, except that with LongRoPE the whole sequence is run again from slot 0
+    """test_hf_parity.greedy, except that with LongRoPE the whole sequence is run again from position 0
     once it outgrows the original context, since the cached keys were rotated with the short
     factors: transformers' Phi-3 generate() drops its cache there (prepare_inputs_for_generation)."""
     scaling = model.args.rope_scaling or {}
@@ -298,14 +301,15 @@ PROMPTS = [[5, 9, 200], list(range(20, 31)), list(range(100, 137))]
                                      dict(architecture="qwen3_moe", n_experts_per_token=3, norm_topk_prob=False),
                                      GPT_OSS], ids=["qwen3_moe", "qwen3_moe_unnormalized", "gpt_oss"])
 def test_moe_batched_generation_equals_each_prompt_alone(variant):
-    """A left-padded batch (prompts grouped by expert, decode steps gathered) gives each row what
-    it gets alone; so do continuously batched requests."""
+    """A batch of prompts of different lengths, each row at its own positions (prompts grouped by
+    expert, decode steps gathered), gives each row what it gets alone; so do continuously batched
+    requests (the server's engine: 2 rows for 3 requests, prompts in chunks of 16)."""
     model = tiny_moe(**variant)
     engine = Engine(model)
     alone = [generate(engine, [p])[0] for p in PROMPTS]
     assert generate(engine, PROMPTS) == alone
     assert len({tuple(o) for o in alone}) == 3
-    batch = BatchEngine(copy.deepcopy(model), max_batch_size=2, max_seq_length=96, prefill_chunk=16)
+    batch = Engine.for_serving(copy.deepcopy(model), max_batch_size=2, max_seq_length=96, prefill_chunk=16)
     reqs = [Request(p, 16) for p in PROMPTS]
     for r in reqs:
         batch.submit(r)
@@ -368,8 +372,8 @@ def test_moe_quantized_experts_within_bound(mode, weight_bound, bound, variant, 
 
 
 def test_moe_tp2_matches_single_process(tmp_path):
-    """2 ranks, each with its part of every expert's hidden dimension: the logits of a left-padded
-    batch (prompt slots grouped by expert, decode steps gathered), of int8 experts and of a
+    """2 ranks, each with its part of every expert's hidden dimension: the logits of a batch of
+    prompts of different lengths (prompt slots grouped by expert, decode steps gathered), of int8 experts and of a
     gpt-oss-shaped mixture (sinks split by head, biased experts) equal one process's within 1e-4,
     and the compiled decode step gives its greedy tokens."""
     from conftest import save_checkpoint
@@ -432,8 +436,7 @@ def test_moe_speculative_greedy_is_token_identical(variant):
     model = tiny_moe(**variant)
     prompt = PROMPTS[2] * 2  # repeats: the n-gram proposer has something to propose
     plain = generate(Engine(copy.deepcopy(model)), [prompt], 24, 128)
-    spec = speculative.SpeculativeEngine(Engine(model), speculative.NgramProposer(2), 4)
-    spec.setup(1, 128)
+    spec = speculative.SpeculativeEngine(Engine(model, 1, 128), speculative.NgramProposer(2), 4)
     (out,), _ = spec.generate([prompt], 24, Sampling())
     assert out == plain[0]
 
@@ -486,12 +489,14 @@ PHI3_PROMPTS = [tokens(10, seed=5)[0].tolist(), tokens(7, seed=6)[0].tolist()]
 def test_longrope_generation_recomputes_the_cache_at_the_switch_as_hf(phi3_switch, rerun, monkeypatch):
     """transformers' Phi-3 generate() runs the whole sequence again once it first outgrows the
     original context, so every cached key is rotated with the long factors from then on; so does
-    Engine.generate: the same 32 greedy tokens and logits within 1e-4, with sampling in the step
-    and on the host (logprobs), alone and in a left-padded batch (whose longest row decides).
+    the engine (scheduler.Scheduler.recompute_if_crossing): the same 32 greedy tokens and logits
+    within 1e-4, with sampling in the step and on the host (logprobs). In a batch each row, at its
+    own positions, crosses the switch at its own step, as it does alone: its tokens are those of
+    transformers' generate for it alone, their logprobs within the tolerance of its log-softmax.
     Without the re-run the logits move far past the tolerance."""
     hf, our_dir = phi3_switch
     if not rerun:
-        monkeypatch.setattr(Engine, "needs_rerun", lambda self, pos, T: False)
+        monkeypatch.setattr(scheduler.Scheduler, "recompute_if_crossing", lambda self, req: None)
     model = load_model(our_dir)
     logits = []
     model.register_forward_hook(lambda module, args, out: logits.append(out[:, -1]))
@@ -507,10 +512,17 @@ def test_longrope_generation_recomputes_the_cache_at_the_switch_as_hf(phi3_switc
     engine.setup(1, 64)
     (host,), _ = engine.generate(PHI3_PROMPTS[:1], DECODE_STEPS, Sampling(), logprobs=2)  # the host's loop
     assert [host] == expected
-    logits.clear()
-    expected, hf_logits = hf_generate(hf, PHI3_PROMPTS)
-    assert generate(engine, PHI3_PROMPTS, DECODE_STEPS, 64) == expected
-    assert max_diff(torch.stack(logits), hf_logits) <= TOL
+    alone = [hf_generate(hf, [p]) for p in PHI3_PROMPTS]
+    engine.setup(2, 64)
+    outs, stats = engine.generate(PHI3_PROMPTS, DECODE_STEPS, Sampling(), logprobs=3)
+    assert outs == [row for (row,), _ in alone]
+    for entries, ((row,), row_logits) in zip(stats.logprobs, alone):
+        want = torch.log_softmax(row_logits[:, 0].double(), dim=-1)  # (steps, V)
+        assert len(entries) == len(row) == DECODE_STEPS
+        # a logit within TOL moves a log-softmax by at most 2 TOL
+        worst = max(abs(lp - w[t].item()) for (chosen, top), token, w in zip(entries, row, want)
+                    for t, lp in [(token, chosen), *top])
+        assert worst <= 2 * TOL, worst
 
 
 def test_longrope_compiled_generation_recomputes_the_cache_as_eager(phi3_switch):
@@ -521,31 +533,39 @@ def test_longrope_compiled_generation_recomputes_the_cache_as_eager(phi3_switch)
     assert generate(Engine(load_model(our_dir), compile=True), PHI3_PROMPTS[:1], DECODE_STEPS, 64) == eager
 
 
-def test_longrope_switch_refused_where_the_cache_is_not_recomputed(phi3_switch):
-    """Continuous batching, speculative decoding and a continued cache do not recompute the keys
-    at the switch: a cache or a generation that would cross it is refused with one line saying why;
-    Chat starts the turn from slot 0 instead."""
+def test_longrope_switch_in_serving_speculation_and_chat(phi3_switch):
+    """Every way of reusing cached keys meets the switch. Continuously batched requests (the
+    server's engine) recompute their keys there, each at its own step, and give the tokens each
+    gets alone; speculative decoding, which does not recompute, refuses a generation that would
+    cross it with one line saying why; and the prefix cache is off for such a model (a cached
+    block's keys may be rotated short), so a chat turn that continues the previous one past the
+    switch is prefilled from position 0, and gives a fresh engine's tokens."""
     import speculative
     from errors import UserError
     _, our_dir = phi3_switch
     model = load_model(our_dir)
+    alone = [generate(Engine(model), [p], DECODE_STEPS, 64)[0] for p in PHI3_PROMPTS]
+    serving = Engine.for_serving(model, max_batch_size=2, max_seq_length=64)
+    reqs = [Request(p, DECODE_STEPS) for p in PHI3_PROMPTS]
+    for r in reqs:
+        serving.submit(r)
+    for _ in range(200):
+        if all(r.finish_reason for r in reqs):
+            break
+        serving.step()
+    assert [r.out for r in reqs] == alone
+    spec = speculative.SpeculativeEngine(Engine(model, 1, 64), speculative.NgramProposer(2), 4)
     with pytest.raises(UserError, match="LongRoPE") as e:
-        BatchEngine(model, max_batch_size=2, max_seq_length=SWITCH + 1)
-    assert "\n" not in str(e.value)
-    BatchEngine(model, max_batch_size=2, max_seq_length=SWITCH)
-    spec = speculative.SpeculativeEngine(Engine(model), speculative.NgramProposer(2), 4)
-    spec.setup(1, 64)
-    with pytest.raises(UserError, match="LongRoPE"):
         spec.generate(PHI3_PROMPTS[:1], DECODE_STEPS, Sampling())
+    assert "\n" not in str(e.value)
     (out,), _ = spec.generate(PHI3_PROMPTS[:1], SWITCH - 10, Sampling())  # up to the switch: allowed
-    engine = Engine(model)
-    engine.setup(1, 64)
-    with pytest.raises(UserError, match="LongRoPE"):
-        engine.generate([PHI3_PROMPTS[0][5:]], DECODE_STEPS, Sampling(), start_pos=5)
+    assert out == alone[0][:SWITCH - 10]
+    engine = Engine(model, 1, 64)
+    assert not engine.blocks.prefix_caching
     chat, chars = Chat(engine, CharTokenizer()), CharTokenizer()
-    chat.reply("abcdefgh", 4, Sampling())  # 11 tokens cached, rotated short
-    (out, _) = chat.reply("ijklmn", 8, Sampling())  # 18 tokens: the turn crosses the switch
-    assert chat.last_prefill_tokens == chat.last_prompt_tokens == 18
+    chat.reply("abcdefghijklmnop", 1, Sampling())  # a full block of 16 tokens, rotated short
+    (out, _) = chat.reply("qr", 8, Sampling())  # 19 tokens, the first 16 as before: the turn crosses the switch
+    assert chat.last_prefill_tokens == chat.last_prompt_tokens == 19
     ids = chars.encode(chars.apply_chat_template(chat.messages[:3]), add_bos=False)
     assert generate(Engine(model), [ids], 8, 64) == [out]
 

@@ -1,5 +1,7 @@
 """What the CUDA path needs that a CPU can check: the oldest torch requirements.txt admits, the
-device a user names, the test-device switch, and the decode loop that keeps its inputs on the device."""
+device a user names, the test-device switch, the step shapes CUDA graphs take (rows padded to a
+power of two) and tokens sampled on the device, and the decode loop that keeps its inputs on the
+device."""
 import copy
 import re
 
@@ -10,10 +12,12 @@ import torch.distributed._functional_collectives as funcol
 
 import compile as compile_
 import engine
+import loading
 import tp
 from conftest import ROOT, TEST_DEVICE, device_flags, random_model
 from engine import Engine
 from errors import UserError
+from model import CAUSAL_SDPA_MIN_TOKENS, ForwardBatch
 from sampling import Sampling
 
 # API the engine calls -> the torch release that introduced it
@@ -78,10 +82,10 @@ def test_guard_skipping_is_optional(monkeypatch):
 def test_a_cuda_index_beyond_the_machine_is_a_user_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert engine.parse_device("cuda:1") == torch.device("cuda:1")
-    assert engine.parse_device("cuda") == torch.device("cuda")
+    assert loading.parse_device("cuda:1") == torch.device("cuda:1")
+    assert loading.parse_device("cuda") == torch.device("cuda")
     with pytest.raises(UserError, match=r"'cuda:2' does not exist: this machine has 2 CUDA device"):
-        engine.parse_device("cuda:2")
+        loading.parse_device("cuda:2")
 
 
 def test_a_rank_beyond_the_machines_gpus_is_a_user_error(monkeypatch):
@@ -100,21 +104,22 @@ def test_command_lines_run_on_the_test_device_in_float32():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_lookahead_decode_gives_the_same_tokens(compiled):
-    """Queuing the next step before reading this one's tokens (what CUDA does) changes nothing:
-    rows that stop at different steps, at max_new_tokens and at a stop id."""
+def test_cuda_step_shapes_and_sampling_on_the_device_give_the_same_tokens(compiled):
+    """The engine as it runs on CUDA, against eager steps whose tokens are picked on the host:
+    tokens sampled inside the step (no logits to the host) and, compiled, each step's rows padded
+    to a power of two (pad_rows: one CUDA graph per width; the padding rows read and write the
+    scratch block) change nothing, as rows stop at different steps, at max_new_tokens and at a
+    stop id, and a step's width shrinks from 4 (3 rows) to 2 and 1."""
     model = random_model(device=TEST_DEVICE)
-    prompts = [[5, 17, 3, 200, 42], [99, 4, 64]]
-    plain = Engine(model, compile=compiled)
-    plain.setup(2, 128)
-    free, _ = plain.generate(prompts, 24, Sampling())
-    stop = free[0][6]  # row 0 ends early, row 1 runs to the end unless it meets the same token
-    ahead = Engine(copy.deepcopy(model), compile=compiled)
-    ahead.lookahead = True
-    ahead.setup(2, 128)
+    prompts = [[5, 17, 3, 200, 42], [99, 4, 64], [7, 7, 1, 30, 2, 250, 11]]
+    plain = Engine(model, 3, 128)
+    free, _ = plain.generate(prompts, 24, Sampling(), host=True)
+    stop = free[0][6]  # row 0 ends early; the others run to the end unless they meet the same token
+    cuda_like = Engine(copy.deepcopy(model), 3, 128, compile=compiled, pad_rows=True)
+    assert cuda_like.pad_rows == compiled and cuda_like.step_width(3) == (4 if compiled else 3)
     for n, stop_ids in [(24, ()), (24, [stop]), (1, ()), (2, [stop])]:
-        want, want_stats = plain.generate(prompts, n, Sampling(), stop_ids=stop_ids)
-        got, stats = ahead.generate(prompts, n, Sampling(), stop_ids=stop_ids)
+        want, want_stats = plain.generate(prompts, n, Sampling(), stop_ids=stop_ids, host=True)
+        got, stats = cuda_like.generate(prompts, n, Sampling(), stop_ids=stop_ids)
         assert got == want
         assert stats.finish_reasons == want_stats.finish_reasons
         assert stats.cached_tokens == want_stats.cached_tokens
@@ -126,28 +131,31 @@ def test_lookahead_decode_gives_the_same_tokens(compiled):
 def test_decode_positions_stay_on_the_device(monkeypatch):
     """After the prefill, the loop sends nothing from the host: no torch.tensor per step."""
     model = random_model(device=TEST_DEVICE)
-    eng = Engine(model)
-    eng.setup(1, 64)
-    made = []
+    eng = Engine(model, 1, 64)
+    made, first = [], []
     real = torch.tensor
     monkeypatch.setattr(engine.torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
-    out, _ = eng.generate([[5, 6, 7]], 20, Sampling())
-    assert len(out[0]) == 20
-    assert len(made) <= 3, made  # the prompt, its padding, the first position: not one per step
-
+    at_first_token = lambda ids: None if first else first.append(len(made))  # noqa: E731
+    out, _ = eng.generate([[5, 6, 7]], 20, Sampling(), on_tokens=at_first_token)
+    assert len(out[0]) == 20 and first
+    # after the prefill's tensors and its first token: the first decode position, not one per step
+    assert len(made) - first[0] <= 1, made[first[0]:]
 
 
 @torch.inference_mode()
 def test_attention_takes_sdpa_output_in_any_memory_order(monkeypatch):
     """CUDA's SDPA kernels return their output laid out (B, T, H, D) under a (B, H, T, D) shape:
-    a prefill and decode steps through an SDPA that does the same give the same logits."""
+    a prefill (a fresh chunk under SDPA's causal mask, and one under ours through the cache) and
+    decode steps through an SDPA that does the same give the same logits."""
     torch.manual_seed(0)
     model = random_model(n_heads=4, n_kv_heads=2)  # grouped queries: attend folds each group into T
     prompt, steps = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 3))
+    long = torch.randint(0, 256, (1, CAUSAL_SDPA_MIN_TOKENS + 8))  # a fresh chunk this long: SDPA's causal mask
 
     def run():
-        model.setup_caches(2, 32)
-        out = [model(prompt, torch.arange(9))]
+        model.setup_caches(2, long.shape[1])
+        out = [model(long, ForwardBatch.rows(torch.arange(long.shape[1]), 1, long.shape[1], fresh=True))]
+        out += [model(prompt, torch.arange(9))]
         out += [model(steps[:, i:i + 1], torch.tensor([9 + i])) for i in range(3)]
         return out
 

@@ -1,5 +1,6 @@
-"""Gemma family: the sliding-window ring KV cache, chat and compile with it, Gemma 3's multimodal
-checkpoint, and the real Gemma 3 270M (GGUF) against transformers: logits, tokenizer, golden output.
+"""Gemma family: sliding windows over the paged KV cache (every position kept in blocks, keys
+outside a query's window masked), chat and compile with them, Gemma 3's multimodal checkpoint, and
+the real Gemma 3 270M (GGUF) against transformers: logits, tokenizer, golden output.
 
 Tiny random Gemma 1/2/3 parity with transformers (prefill, cached decode, greedy tokens, windows
 shorter than prompt and generation) is in tests/test_hf_parity.py.
@@ -24,8 +25,10 @@ import kernels
 from conftest import ROOT, TEST_DEVICE, on_test_device, random_model, run_script
 from engine import Chat, Engine
 from loading import load_model
-from model import KVCache, ModelArgs, RingKVCache, Transformer
+from memory import kv_cache_bytes
+from model import ForwardBatch, ModelArgs, Transformer
 from sampling import Sampling
+from speculative import common_prefix
 
 GEMMA3 = ROOT / "checkpoints" / "gemma3-270m"
 GOLDEN = Path(__file__).parent / "golden" / "gemma3-270m.json"
@@ -49,52 +52,74 @@ def tiny_gemma3(seed=0, **overrides):
     return random_model(seed=seed, **cfg)
 
 
-def use_full_caches(model, max_seq_length):
-    """The reference: every layer keeps the whole sequence, and sliding layers mask by window."""
-    model.setup_caches(model.max_batch_size, max_seq_length)
-    model.ring_window = None
-    for layer in model.layers:
-        a = layer.attention
-        a.kv_cache = KVCache(model.max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim,
-                             torch.float32).to(model.norm.weight.device)
+BLOCK = 4  # tokens a block in the paged tests below: a window (8) spans several blocks
 
 
-@pytest.mark.parametrize("chunks", [[40], [3, 9, 1, 1, 20, 1, 1, 1], [8, 8, 1, 16, 1], [1] * 24])
+def scattered_tables(rows: int, blocks_per_row: int, seed: int = 0) -> tuple[torch.Tensor, int]:
+    """Block tables (rows, blocks_per_row) of distinct blocks taken at random from a pool with room
+    to spare, as an engine that has run a while hands them out; and the pool's size in blocks."""
+    num_blocks = rows * blocks_per_row + 5
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    return perm[:rows * blocks_per_row].view(rows, blocks_per_row), num_blocks
+
+
+def paged_batch(positions: torch.Tensor, table: torch.Tensor, kv_len: int, device) -> ForwardBatch:
+    """Rows at positions (B, T), each in the blocks of its table (B, blocks), reading up to kv_len."""
+    slots = table.gather(1, positions // BLOCK) * BLOCK + positions % BLOCK  # (B, T)
+    return ForwardBatch(positions.to(device), slots.to(device), table.to(device), BLOCK, kv_len)
+
+
 @torch.inference_mode()
-def test_ring_cache_matches_full_cache_with_window_mask(chunks):
-    """Prefill chunks longer than, equal to and shorter than the window, then single decode steps:
-    the window-sized ring gives the logits of a full cache with a window mask, for a left-padded batch."""
-    ring, full = on_test_device(tiny_gemma3()), on_test_device(tiny_gemma3())
-    ring.setup_caches(2, 64)
-    assert isinstance(ring.layers[0].attention.kv_cache, RingKVCache)
-    assert ring.layers[0].attention.kv_cache.k_cache.shape[2] == WINDOW
-    assert ring.layers[1].attention.kv_cache.k_cache.shape[2] == 64  # the global layer keeps everything
-    full.setup_caches(2, 64)
-    use_full_caches(full, 64)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (2, sum(chunks)), generator=g)
-    pad = torch.tensor([0, 5])  # row 1 starts with 5 padding slots
-    pos, worst = 0, 0.0
+def paged_against_alone(paged, alone, chunks: list, lead: int = 5) -> tuple[float, torch.Tensor]:
+    """Two sequences fed in chunks as one batch through `paged`'s slot pool, each row in blocks
+    scattered over it, row 1 `lead` tokens ahead of row 0 (its own positions, no padding); against
+    each sequence alone through `alone`'s contiguous cache (model(tokens, input_pos)). Returns the
+    largest difference of their logits, and row 1's last logits alone."""
+    device = paged.norm.weight.device
+    S = lead + sum(chunks)
+    table, num_blocks = scattered_tables(2, -(-S // BLOCK))
+    paged.setup_caches(1, S, num_slots=num_blocks * BLOCK)
+    ref = [alone, copy.deepcopy(alone)]  # a cache for each sequence
+    for m in ref:
+        m.setup_caches(1, S)
+    seqs = torch.randint(0, 256, (2, S), generator=torch.Generator().manual_seed(0))
+    head = torch.arange(lead).view(1, -1)  # row 1's first tokens, alone in a step
+    got = paged(seqs[1:, :lead], paged_batch(head, table[1:], lead, device))
+    worst = (got - ref[1](seqs[1:, :lead], head[0])).abs().max().item()
+    pos = 0
     for n in chunks:
-        input_pos = torch.arange(pos, pos + n)
-        a = ring(tokens[:, pos:pos + n], input_pos, pad)
-        b = full(tokens[:, pos:pos + n], input_pos, pad)
-        worst = max(worst, (a - b).abs().max().item())
+        positions = torch.stack([torch.arange(pos, pos + n), torch.arange(lead + pos, lead + pos + n)])  # (2, n)
+        ids = seqs.gather(1, positions)  # (2, n)
+        got = paged(ids, paged_batch(positions, table, lead + pos + n, device))
+        for b in range(2):
+            want = ref[b](ids[b:b + 1], positions[b])
+            worst = max(worst, (got[b:b + 1] - want).abs().max().item())
         pos += n
-    assert b.std() > 0.5
-    assert worst <= 1e-4, f"ring vs full cache: max abs diff {worst:.2e}"  # logits ~20: float32 rounding
+    return worst, want
+
+
+@pytest.mark.parametrize("fast_paths", [False, True], ids=["reference", "kernels-installed"])
+@pytest.mark.parametrize("chunks", [[40], [3, 9, 1, 1, 20, 1, 1, 1], [8, 8, 1, 16, 1], [1] * 24])
+def test_paged_cache_with_window_mask_matches_each_row_alone(chunks, fast_paths):
+    """Prefill chunks longer than, equal to and shorter than the window, then single decode steps,
+    for a batch of two rows at their own positions (one 5 tokens ahead), each in blocks scattered
+    over the slot pool: the logits of each sequence alone through a contiguous cache, within
+    float32 rounding. Sliding layers keep every position (as large a pool as the global layer's);
+    the window is the mask's. Also with kernels.py's paths, whose `attend` reads the slots in place."""
+    paged, alone = on_test_device(tiny_gemma3()), on_test_device(tiny_gemma3())
+    if fast_paths:
+        kernels.install(paged)
+    worst, last = paged_against_alone(paged, alone, chunks)
+    assert paged.layers[0].attention.sliding and not paged.layers[1].attention.sliding
+    assert paged.layers[0].attention.kv_cache.k_cache.shape == paged.layers[1].attention.kv_cache.k_cache.shape
+    assert last.std() > 0.5
+    assert worst <= 1e-4, f"paged batch vs each row alone: max abs diff {worst:.2e}"  # logits ~20: float32 rounding
 
 
 def test_window_mistake_is_caught():
     # the comparison above must be able to fail: a window one too wide changes the logits
-    ring, full = tiny_gemma3(), tiny_gemma3(sliding_window=WINDOW + 1)
-    ring.setup_caches(1, 64)
-    full.setup_caches(1, 64)
-    use_full_caches(full, 64)
-    tokens = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        diff = (ring(tokens, torch.arange(30)) - full(tokens, torch.arange(30))).abs().max().item()
-    assert diff > 1e-3
+    worst, _ = paged_against_alone(tiny_gemma3(), tiny_gemma3(sliding_window=WINDOW + 1), [30])
+    assert worst > 1e-3
 
 
 def cache_bytes(model) -> int:
@@ -108,21 +133,22 @@ def gemma3_270m_args() -> ModelArgs:
                      tie_word_embeddings=True, post_norms=True, qk_norm=True, norm_weight_offset=1.0)
 
 
-def test_sliding_layers_cache_does_not_grow_with_max_seq_length():
-    """Gemma 3 270M's KV cache at 32k context (meta tensors: nothing is allocated). The README's
-    figures come from here: python -m pytest -q -s tests/test_gemma.py -k cache_does_not_grow"""
+def test_gemma3_270m_kv_cache_keeps_every_position_and_is_what_the_preflight_counts():
+    """Gemma 3 270M's KV cache at 4k and 32k tokens (meta tensors: nothing is allocated). Sliding
+    layers keep every position in their blocks (their window is a mask), so every layer's pool
+    grows with the tokens; the memory preflight (memory.kv_cache_bytes, which Engine.allocate
+    checks before allocating) counts exactly what setup_caches allocates. The figures:
+    python -m pytest -q -s tests/test_gemma.py -k kv_cache_keeps_every_position"""
     with torch.device("meta"):
         model = Transformer(gemma3_270m_args())
     sizes = {}
+    per_position = 2 * 1 * 256 * 2  # k and v, 1 KV head, head_dim 256, bf16
     for length in (4096, 32768):
         model.setup_caches(1, length, dtype=torch.bfloat16, device="meta")
         sizes[length] = cache_bytes(model)
-    per_position = 2 * 1 * 256 * 2  # k and v, 1 KV head, head_dim 256, bf16
-    assert sizes[32768] == (3 * 32768 + 15 * 512) * per_position
-    assert sizes[32768] - sizes[4096] == 3 * (32768 - 4096) * per_position  # only the 3 global layers grow
-    full = 18 * 32768 * per_position
-    print(f"Gemma 3 270M KV cache at 32768 tokens, bf16, batch 1: {sizes[32768] / 2**20:.1f} MiB "
-          f"(full cache in every layer: {full / 2**20:.1f} MiB)")
+        assert sizes[length] == 18 * length * per_position  # every layer, every position
+        assert kv_cache_bytes(model, 1, length, torch.bfloat16) == sizes[length]
+    print(f"Gemma 3 270M KV cache at 32768 tokens, bf16, batch 1: {sizes[32768] / 2**20:.1f} MiB")
 
 
 class CharTokenizer:
@@ -148,27 +174,31 @@ class CharTokenizer:
 
 
 @pytest.mark.parametrize("marked_replies", [False, True])
-def test_chat_with_ring_cache_equals_reprefill(marked_replies):
-    """Cache reuse across turns with ring caches. A ring cannot rewind (the window before the
-    rewind point was overwritten), so a turn whose rendered history differs from the cached tokens
-    is prefilled again from the start."""
-    engine = Engine(tiny_gemma3())
-    engine.setup(1, 512)
-    assert engine.model.ring_window == WINDOW
+def test_chat_with_sliding_window_equals_reprefill(marked_replies):
+    """Cache reuse across turns with sliding-window layers: a turn starts on the prefix cache's
+    blocks of the previous turn's tokens (whole blocks of the common beginning, a rewind to the
+    last of them where the rendered history differs) and its first computed tokens attend over
+    cached keys inside their window; the replies equal those of a chat prefilled from scratch
+    every turn."""
+    reuse_engine, fresh_engine = Engine(tiny_gemma3(), 1, 512), Engine(tiny_gemma3(), 1, 512)
     tok = CharTokenizer(marked_replies)
-    reuse, fresh = Chat(engine, tok), Chat(engine, tok, reuse_cache=False)
+    reuse, fresh = Chat(reuse_engine, tok), Chat(fresh_engine, tok, reuse_cache=False)
+    fed, bs = [], reuse_engine.block_size
     for i, turn in enumerate(["Hello there, how are you?", "Tell me more.", "And then?"]):
         a, _ = reuse.reply(turn, 20, Sampling())
         b, _ = fresh.reply(turn, 20, Sampling())
         assert a == b
-        if i > 0 and marked_replies:
-            assert reuse.last_prefill_tokens == fresh.last_prefill_tokens  # everything again
-        elif i > 0:
-            # only the reply's last token (never fed), its "\n" and the new user turn
-            assert reuse.last_prefill_tokens == 2 + len(tok.encode(f"<user>{turn}\n<assistant>"))
+        ids = tok.encode(tok.apply_chat_template(reuse.messages[:-1]))
+        assert fresh.last_prefill_tokens == reuse.last_prompt_tokens == len(ids)
+        if i > 0:  # the whole blocks of what the last turn fed (all but its last token) that this turn repeats
+            cached = bs * (min(common_prefix(fed, ids), len(ids) - 1) // bs)
+            assert cached >= bs and reuse.last_prefill_tokens == len(ids) - cached
+        fed = ids + a[:-1]
 
 
-def test_compiled_decode_with_ring_cache_matches_eager():
+def test_compiled_decode_with_sliding_window_matches_eager():
+    """A compiled decode step, with the CPU fast paths, over a prompt and a generation longer than
+    the window gives the reference's greedy tokens."""
     model = tiny_gemma3(device=TEST_DEVICE)
     prompt = [list(range(3, 22))]  # longer than the window
 
@@ -302,7 +332,7 @@ def golden_outputs(model, cases):
     engine = Engine(model)
     outs = []
     for case in cases:
-        engine.setup(1, 1024)  # > the 512 window: sliding layers use their ring caches
+        engine.setup(1, 1024)  # > the 512 window: sliding layers mask the keys before it
         (out,), _ = engine.generate([case["prompt_ids"]], case["max_new_tokens"], Sampling(),
                                     stop_ids=model.args.eos_token_ids)
         outs.append(out)

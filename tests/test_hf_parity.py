@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import kernels
 from conftest import TEST_DEVICE, on_test_device
 from convert_hf import convert_hf_checkpoint
-from model import CAUSAL_SDPA_MIN_TOKENS, ModelArgs, Transformer
+from model import CAUSAL_SDPA_MIN_TOKENS, ForwardBatch, ModelArgs, Transformer
 
 # against transformers on the CPU; a GPU sums in another order (600-token prefills came to 1.0e-4 and, Gemma 3
 # with qk-norm, 2.3e-4 on an H200). A deliberate mistake must exceed 10x the CPU's tolerance, 2x the GPU's.
@@ -65,7 +65,7 @@ CASES = {
     "qwen2_sliding": ("qwen2", dict(num_hidden_layers=3, num_key_value_heads=2, use_sliding_window=True,
                                     sliding_window=8, max_window_layers=1)),
     # Gemma: (1 + w) norms, sqrt(dim) embedding scale, GeGLU, tied head. The windows (16) are shorter
-    # than the prompt (40) and the generation (72), so the ring caches wrap during prefill and decode.
+    # than the prompt (40) and the generation (72): keys leave the window during prefill and decode.
     "gemma_mqa": ("gemma", dict(num_key_value_heads=1, head_dim=32)),  # head_dim != hidden/heads
     "gemma2_softcap_sliding": ("gemma2", dict(
         num_hidden_layers=4, num_key_value_heads=2, sliding_window=16, query_pre_attn_scalar=24,
@@ -175,21 +175,32 @@ def test_incremental_decode_matches_hf(case, fast_paths):
     assert not bad, f"{name}: (step, diff) over tolerance: {bad}"
 
 
+def fresh_prefill(model: Transformer, ids: torch.Tensor, last: bool = False) -> torch.Tensor:
+    """ids (1, T) from position 0 as the engine's first chunk of a prompt runs them: nothing cached
+    before them (ForwardBatch.fresh), so attention reads the chunk's own keys, and full-attention
+    layers take SDPA's causal mask past CAUSAL_SDPA_MIN_TOKENS; last: only the last position goes
+    through the last layer (ForwardBatch.last), whose logits alone come back (1, 1, V)."""
+    T, device = ids.shape[1], model.norm.weight.device
+    final = torch.full((1, 1), T - 1, device=device) if last else None
+    return model(ids, ForwardBatch.rows(torch.arange(T, device=device), 1, model.max_seq_length, fresh=True,
+                                        last=final))
+
+
 @torch.inference_mode()
 def test_long_prefill_logits_match_hf(case):
-    """A whole prompt from slot 0 longer than CAUSAL_SDPA_MIN_TOKENS, with kv_len as prefill gives
-    it: full-attention layers take SDPA's causal mask instead of ours, and with last_logits_only
-    the last layer computes the last position only. Without kv_len, and as two halves through the
-    cache, the same prompt runs under our additive mask (over the cache's slots)."""
+    """A whole prompt from position 0 longer than CAUSAL_SDPA_MIN_TOKENS, as a fresh chunk (the
+    engine's first chunk of a prompt): full-attention layers take SDPA's causal mask instead of
+    ours, and with ForwardBatch.last the last layer computes the last position only. Through the
+    cache (the whole row read under our additive mask), and as two halves through the cache, the
+    same prompt runs under our mask over the cached keys."""
     name, hf_dir, our_dir = case
     hf, ours = load_hf(hf_dir), load_ours(our_dir)
     T = CAUSAL_SDPA_MIN_TOKENS + 88
     ours.setup_caches(max_batch_size=1, max_seq_length=T + 8)
     ids = tokens(T, seed=4)
     expected = hf(ids).logits
-    diffs = {"causal SDPA": max_diff(ours(ids, torch.arange(T), kv_len=T), expected),
-             "last position only": max_diff(ours(ids, torch.arange(T), kv_len=T, last_logits_only=True),
-                                            expected[:, -1:]),
+    diffs = {"causal SDPA": max_diff(fresh_prefill(ours, ids), expected),
+             "last position only": max_diff(fresh_prefill(ours, ids, last=True), expected[:, -1:]),
              "our mask": max_diff(ours(ids, torch.arange(T)), expected)}
     h = T // 2  # a fresh transformers model through its cache: dynamic NTK rescales by the length seen
     hf = load_hf(hf_dir)

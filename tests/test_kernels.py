@@ -146,20 +146,51 @@ def test_integer_loops_give_a_token_the_same_bits_whatever_the_other_tokens():
         assert torch.equal(kernels.q4_linear(x[a:b], q4, s4, z4, 32), full4[a:b]), (a, b)
 
 
+def reference_attention(q, k, v, mask, scale: float, softcap: float):
+    """model.Attention.attend in float64: q (B, H, group * T, D) as attend takes it (row g * T + t is
+    query t of head h * group + g), k and v (B, H, S, D), mask (B, 1, T, S); the output in q's layout."""
+    B, H, R, D = q.shape
+    T = mask.shape[2]
+    args = reference.ModelArgs(dim=H * (R // T) * D, n_heads=H * (R // T), n_kv_heads=H, head_dim=D, n_layers=1,
+                               vocab_size=8, attention_multiplier=scale, attn_logit_softcapping=softcap or None)
+    layer = reference.Attention(args, sliding=False)
+    y = layer.attend(q.double().reshape(B, -1, T, D), k.double(), v.double(), mask.double())  # (B, n_heads, T, D)
+    return y.reshape(B, H, R, D)
+
+
+def paged_pools(k: torch.Tensor, v: torch.Tensor, block: int, g: torch.Generator) -> tuple:
+    """Rows k and v (B, H, S, D) stored in slot pools (N, H, D), each row's positions in blocks of
+    `block` slots scattered at random over the pool (blocks that no row holds are NaN), as an
+    engine's cache holds them: (k_pool, v_pool, slots (B, S): the slot of each row's position)."""
+    B, H, S, D = k.shape
+    per_row = -(-S // block)
+    num_blocks = B * per_row + 3
+    table = torch.randperm(num_blocks, generator=g)[:B * per_row].view(B, per_row)  # (B, blocks)
+    positions = torch.arange(S)
+    slots = table[:, positions // block] * block + positions % block  # (B, S)
+    pools = []
+    for x in (k, v):
+        pool = torch.full((num_blocks * block, H, D), float("nan"), dtype=x.dtype)
+        pool[slots.flatten()] = x.transpose(1, 2).reshape(B * S, H, D)
+        pools.append(pool)
+    return *pools, slots
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("G,T,D", [(7, 1, 64), (3, 1, 24), (4, 3, 72), (2, 2, 16), (1, 1, 40), (4, 1, 256),
                                    (2, 2, 128)])
 def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dtype):
     """A batch step's attention (GQA groups of 1 to 7 queries, verify tokens, head sizes with a
-    tail) against float64, and each row's bits those of the row alone, with rows from a whole
-    cache, soft-capping, masks with holes, and NaN in slots that a row's mask hides."""
+    tail) over a paged cache: each row's keys and values in blocks scattered over a slot pool, read
+    in place through `slots`. Against model.Attention.attend over the gathered keys in float64;
+    the same bits as `attend` over the gathered keys (contiguous rows), and each row's bits those
+    of the row alone; with soft-capping, masks with holes, and NaN in slots that a row's mask hides."""
     if not kernels.available():
         pytest.fail("the kernels could not be built here")
     g = torch.Generator().manual_seed(G * 100 + T * 10 + D)
     B, H, S = 6, 2, 50
     q = torch.randn(B, H, G * T, D, generator=g)
-    k, v = (torch.randn(B + 2, H, S, D, generator=g).to(kv_dtype) for _ in range(2))
-    rows = torch.randperm(B + 2, generator=g)[:B]
+    k, v = (torch.randn(B, H, S, D, generator=g).to(kv_dtype) for _ in range(2))
     mask = torch.zeros(B, 1, T, S)
     for b in range(B):
         for t in range(T):
@@ -167,19 +198,19 @@ def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dt
     mask[1, 0, :, :5] = float("-inf")  # a sliding window's start
     mask[2, 0, :, 7:9] = float("-inf")  # a hole
     dirty_k, dirty_v = k.clone(), v.clone()  # slots no query sees may hold anything
-    dirty_k[rows[2], :, 7], dirty_v[rows[2], :, 8] = float("nan"), float("nan")
-    dirty_k[rows[5], :, S - 1] = float("inf")
+    dirty_k[2, :, 7], dirty_v[2, :, 8] = float("nan"), float("nan")
+    dirty_k[5, :, S - 1] = float("inf")
+    k_pool, v_pool, slots = paged_pools(dirty_k, dirty_v, 16, g)
     for softcap in (0.0, 5.0):
-        out = kernels.attend(q, dirty_k, dirty_v, mask, 0.3, softcap, rows)
-        scores = q.double().view(B, H, G, T, D) @ k[rows].double().unsqueeze(2).transpose(-1, -2) * 0.3
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        want = torch.softmax(scores + mask.double().unsqueeze(1), -1) @ v[rows].double().unsqueeze(2)
-        torch.testing.assert_close(out.double(), want.reshape(B, H, G * T, D), rtol=1e-5, atol=1e-5)
+        out = kernels.attend(q, k_pool, v_pool, mask, 0.3, softcap, slots)
+        want = reference_attention(q, k, v, mask, 0.3, softcap)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        gathered = kernels.attend(q, k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2), mask, 0.3, softcap)
+        assert torch.equal(gathered, out), softcap
         for b in range(B):
             for h in range(H):
-                alone = kernels.attend(q[b:b + 1, h:h + 1], dirty_k[:, h:h + 1], dirty_v[:, h:h + 1], mask[b:b + 1],
-                                       0.3, softcap, rows[b:b + 1])
+                alone = kernels.attend(q[b:b + 1, h:h + 1], k_pool[:, h:h + 1], v_pool[:, h:h + 1], mask[b:b + 1],
+                                       0.3, softcap, slots[b:b + 1])
                 assert torch.equal(alone[0, 0], out[b, h]), (softcap, b, h)
 
 
@@ -198,12 +229,14 @@ def test_kernels_give_the_same_bits_with_any_thread_count():
     q, k, v = (torch.randn(2, 3, s, 16, generator=g) for s in (2, 40, 40))
     mask = torch.zeros(2, 1, 1, 40)
     mask[1, ..., 30:] = float("-inf")
+    k_pool, v_pool, slots = paged_pools(k, v, 16, g)
     calls = [lambda: kernels.small_linear(x, w), lambda: kernels.small_linear(x, w.bfloat16()),
              lambda: kernels.small_linear(x[:1], w), lambda: kernels.small_linear(x[:1], w.bfloat16()),  # decode
              lambda: kernels.q8_linear(x, w8, s8), lambda: kernels.q4_linear(x, q4, s4, z4, 32),
              lambda: kernels.q8_linear(x[:1], w8, s8), lambda: kernels.q4_linear(x[:1], q4, s4, z4, 32),
              lambda: kernels.attend(q, k, v, mask, 0.25),
-             lambda: kernels.attend(q, k.bfloat16(), v.bfloat16(), mask, 0.25)]
+             lambda: kernels.attend(q, k.bfloat16(), v.bfloat16(), mask, 0.25),
+             lambda: kernels.attend(q, k_pool, v_pool, mask, 0.25, 0.0, slots)]
     if kernels.BF16_DOT:  # a bfloat16 model's decode token
         calls.append(lambda: kernels.small_linear(x[:1].bfloat16(), w.bfloat16()))
     n = torch.get_num_threads()
@@ -386,7 +419,7 @@ def test_install_leaves_packed_layers_and_models_off_the_cpu():
 
 @pytest.mark.parametrize("variant", [
     dict(n_kv_heads=1, attention_bias=True),  # MQA, q/k/v biases
-    dict(sliding_window=5, attn_logit_softcapping=20.0, tie_word_embeddings=False),  # ring cache, soft-capping
+    dict(sliding_window=5, attn_logit_softcapping=20.0, tie_word_embeddings=False),  # sliding window, soft-capping
 ])
 @pytest.mark.parametrize("with_kernels", [True, False], ids=["kernels", "without-kernels"])
 def test_installed_model_matches_the_reference(variant, with_kernels, one_thread):
@@ -412,11 +445,24 @@ def test_installed_model_matches_the_reference(variant, with_kernels, one_thread
         torch.testing.assert_close(step(fast, chunk, chunk_pos), ref(chunk, chunk_pos), atol=1e-4, rtol=0)
 
 
+def two_rows_apart(models, tokens: torch.Tensor, lead: int = 37) -> torch.Tensor:
+    """Caches for a batch of two sequences, and their positions (2, T) for the chunk tokens (2, T)
+    that the callers feed next: row 0 from position 0, row 1 from `lead` (its first `lead` positions
+    fed here, row 0's overwritten by the chunk), so that each row's queries see other keys."""
+    T = tokens.shape[1]
+    head = torch.randint(0, 256, (2, lead), generator=torch.Generator().manual_seed(1))
+    for m in models:
+        m.setup_caches(2, lead + T + 3)
+        m(head, torch.arange(lead))
+    return torch.stack([torch.arange(T), torch.arange(lead, lead + T)])
+
+
 @pytest.mark.parametrize("variant", [dict(), dict(sliding_window=40, tie_word_embeddings=False),
-                                     dict(attn_logit_softcapping=5.0)], ids=["global", "ring", "softcap"])
+                                     dict(attn_logit_softcapping=5.0)], ids=["global", "window", "softcap"])
 def test_long_prompt_attention_in_chunks_matches_the_reference(variant, monkeypatch):
-    # a padded batch of 300-token prompts: each chunk of queries sees only the keys up to its last
-    # query's, and no query loses a key it may see (sliding windows: the ring cache's keys too);
+    # a batch of two 300-token chunks, each row at its own positions (row 1 37 ahead, over its
+    # cached keys): each chunk of queries sees only the keys up to its last query's, and no query
+    # loses a key it may see (sliding windows: the keys inside its window before the chunk too);
     # with oneDNN each chunk is its GEMMs, soft-capped scores included
     ref = random_model(max_position_embeddings=512, **variant)
     fast = kernels.install(copy.deepcopy(ref))
@@ -424,11 +470,12 @@ def test_long_prompt_attention_in_chunks_matches_the_reference(variant, monkeypa
     real, real_gemms = kernels.CpuAttention.attend_in_chunks, kernels.chunk_attention
     monkeypatch.setattr(kernels.CpuAttention, "attend_in_chunks", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(kernels, "chunk_attention", lambda *a: gemm_calls.append(1) or real_gemms(*a))
-    tokens, pad = torch.randint(0, 256, (2, 300)), torch.tensor([0, 37])
+    tokens = torch.randint(0, 256, (2, 300))
     with torch.inference_mode():
-        for m in (ref, fast):
-            m.setup_caches(2, 320)
-        expected, got = ref(tokens, torch.arange(300), pad), fast(tokens, torch.arange(300), pad)
+        positions = two_rows_apart((ref, fast), tokens)
+        calls.clear()
+        gemm_calls.clear()
+        expected, got = ref(tokens, positions), fast(tokens, positions)
     chunked = kernels.ONEDNN or "attn_logit_softcapping" not in variant  # SDPA cannot soft-cap
     assert len(calls) == (2 if chunked else 0)  # both layers
     assert len(gemm_calls) == (2 * 3 if kernels.ONEDNN else 0)  # 3 chunks of queries per layer
@@ -532,7 +579,8 @@ def attention_float64(q, k, v, mask, scale):
 
 
 def test_bfloat16_long_prompt_attention_through_prompt_attend(monkeypatch):
-    # a padded bfloat16 batch of 300-token prompts (64-wide heads): each chunk of queries goes
+    # a bfloat16 batch of two 300-token chunks at their own positions (64-wide heads, as in
+    # test_long_prompt_attention_in_chunks_matches_the_reference): each chunk of queries goes
     # through prompt_attend, which matches float64 attention on the chunk it is given, and the
     # logits agree with a float32 model's as often as with the oneDNN float32 chunks
     needs_prompt_attend()
@@ -546,15 +594,14 @@ def test_bfloat16_long_prompt_attention_through_prompt_attend(monkeypatch):
         errors.append((y.double() - attention_float64(q, k, v, mask, scale)).abs().max().item() / v.abs().max().item())
         return y
 
-    monkeypatch.setattr(kernels, "prompt_attend", checked)
-    tokens, pad = torch.randint(0, 256, (2, 300)), torch.tensor([0, 37])
+    tokens = torch.randint(0, 256, (2, 300))
     with torch.inference_mode():
-        for m in (ref, fast):
-            m.setup_caches(2, 320)
-        want = ref(tokens, torch.arange(300), pad)
-        got = fast(tokens, torch.arange(300), pad)
+        positions = two_rows_apart((ref, fast), tokens)
+        monkeypatch.setattr(kernels, "prompt_attend", checked)
+        want = ref(tokens, positions)
+        got = fast(tokens, positions)
         monkeypatch.setattr(kernels, "PROMPT_ATTEND", False)
-        other = fast(tokens, torch.arange(300), pad)
+        other = fast(tokens, positions)
     assert len(errors) == 2 * 3 and max(errors) < 4e-3, errors  # 2 layers, 3 chunks of queries
     agree, other_agree = [(x.argmax(-1) == want.argmax(-1)).float().mean().item() for x in (got, other)]
     assert agree > other_agree - 0.02, (agree, other_agree)
@@ -572,16 +619,14 @@ def test_bench_kernels_prefill_parts_adds_up_and_restores_the_kernels(onednn, mo
     if onednn and not kernels.ONEDNN:
         pytest.skip("no oneDNN GEMM on this CPU; the case without it runs below")
     monkeypatch.setattr(kernels, "ONEDNN", onednn)
-    from engine import prefill
-    from sampling import Sampling
-    from scripts.bench_kernels import prefill_parts
+    from scripts.bench_kernels import prefill, prefill_parts
     model = kernels.install(random_model())
     model.setup_caches(1, 320)
     T = 300  # past 2 * PROMPT_QUERY_CHUNK: attention in chunks
-    tokens, pad = torch.randint(0, 256, (1, T)), torch.zeros(1, dtype=torch.long)
+    tokens = torch.randint(0, 256, (1, T))
     dense, attend = kernels.dense_linear, kernels.CpuAttention.attend
     with torch.inference_mode():
-        parts = prefill_parts(model, lambda: prefill(model, tokens, torch.arange(T), pad, Sampling(), T), rounds=1)
+        parts = prefill_parts(model, lambda: prefill(model, tokens), rounds=1)
     assert kernels.dense_linear is dense and kernels.CpuAttention.attend is attend
     # per layer wqkv (64 -> 128), wo, w1, w3, w2; the last layer's products take the last position only
     # (one token: small_linear, not timed as a GEMM), except wqkv, whose keys and values the cache needs

@@ -309,10 +309,9 @@ def test_quantized_checkpoint_loads_and_decodes_like_eager(mode, tiny_checkpoint
     # random weights: 4 bits is coarse; int8's 40-token prompt takes the integer loops, which round
     # the activations to int8 per 32 columns too (0.0250 here)
     assert rel < {"int8": 0.03, "int4": 0.3, "int4-gptq": 0.3}[mode], rel
-    eager, compiled = Engine(model), Engine(model, compile=True)
-    eager.setup(1, 64)
-    (a,), _ = eager.generate([prompt[:8]], 12, Sampling())
-    (b,), _ = compiled.generate([prompt[:8]], 12, Sampling())
+    # one engine at a time: an Engine sizes the model's cache for itself
+    (a,), _ = Engine(model, 1, 64).generate([prompt[:8]], 12, Sampling())
+    (b,), _ = Engine(model, 1, 64, compile=True).generate([prompt[:8]], 12, Sampling())
     assert a == b  # the compiled packed kernels decode the same tokens as eager dequantize + matmul
 
 

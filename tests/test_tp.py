@@ -30,7 +30,7 @@ from tp_worker import run_case
 
 GOLDEN = Path(__file__).parent / "golden" / "smollm2-135m.json"
 PROMPTS_B1 = [[5, 17, 3, 200, 42, 9, 11]]
-PROMPTS_B2 = [[5, 17, 3, 200, 42, 9, 11, 250, 7, 1, 30], [99, 4, 64, 128]]  # left-padded by 7
+PROMPTS_B2 = [[5, 17, 3, 200, 42, 9, 11, 250, 7, 1, 30], [99, 4, 64, 128]]  # each row at its own positions
 STEPS = 5
 
 

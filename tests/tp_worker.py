@@ -26,22 +26,23 @@ from sampling import Sampling
 @torch.inference_mode()
 def run_case(model, prompts: list, steps: int, compile: bool = False) -> dict:
     """Greedy tokens (B, steps + 1) and the float logits of prefill (every position) and of each
-    decode step, for left-padded prompts; with compile, the tokens come from Engine.generate's
-    compiled decode step and the logits from prefill only."""
+    decode step, for prompts of different lengths in one batch, each row at its own positions (a
+    shorter row's prompt padded at its end, past its own tokens); with compile, the tokens come
+    from Engine.generate's compiled decode step and the logits from prefill only."""
     B, T = len(prompts), max(len(p) for p in prompts)
-    model.setup_caches(B, T + steps + 1)
     if compile:
-        engine = Engine(model, compile=True)
-        engine.generate(prompts, 3, Sampling())  # warm up: compile
+        engine = Engine(model, B, T + steps + 1, compile=True)
+        engine.warm_up(prompts, Sampling())  # compile
         outs, _ = engine.generate(prompts, steps + 1, Sampling())
         return {"tokens": torch.tensor(outs), "logits": []}
-    pad = torch.tensor([T - len(p) for p in prompts])
-    tokens = torch.tensor([[0] * (T - len(p)) + list(p) for p in prompts])
-    logits = [model(tokens, torch.arange(T), pad)]  # (B, T, vocab)
-    cur = logits[-1][:, -1].argmax(-1, keepdim=True)
+    model.setup_caches(B, T + steps + 1)
+    lengths = torch.tensor([len(p) for p in prompts])
+    tokens = torch.tensor([list(p) + [0] * (T - len(p)) for p in prompts])
+    logits = [model(tokens, torch.arange(T))]  # (B, T, vocab)
+    cur = logits[-1][torch.arange(B), lengths - 1].argmax(-1, keepdim=True)  # (B, 1) each row after its last token
     out = [cur]
     for i in range(steps):
-        logits.append(model(cur, torch.tensor([T + i]), pad))
+        logits.append(model(cur, (lengths + i).view(B, 1)))  # each row at its own position
         cur = logits[-1][:, -1].argmax(-1, keepdim=True)
         out.append(cur)
     return {"tokens": torch.cat(out, 1), "logits": logits}
@@ -51,8 +52,8 @@ def run_speculative(model, case: dict, draft=None) -> dict:
     import speculative
     (prompt,) = case["prompts"]
     proposer = speculative.DraftProposer(draft) if draft is not None else speculative.NgramProposer(case["ngram"])
-    spec = speculative.SpeculativeEngine(Engine(model), proposer, case["speculate_k"])
-    spec.setup(1, len(prompt) + case["steps"] + 1 + case["speculate_k"] + 1)
+    engine = Engine(model, 1, len(prompt) + case["steps"] + 1 + case["speculate_k"] + 1)
+    spec = speculative.SpeculativeEngine(engine, proposer, case["speculate_k"])
     (out,), _ = spec.generate([prompt], case["steps"] + 1, Sampling())
     return {"tokens": torch.tensor([out]), "logits": []}
 
