@@ -122,13 +122,10 @@ def weight_bytes(model: Transformer, dtype: torch.dtype) -> int:
 
 
 def kv_cache_bytes(model: Transformer, batch_size: int, max_seq_length: int, dtype: torch.dtype) -> int:
-    """Bytes of the KV cache model.setup_caches(batch_size, max_seq_length) allocates in `dtype`:
-    keys and values of every layer (this rank's KV heads), a sliding layer's ring only its window."""
-    window = model.args.sliding_window
-    ring = window if window and window < max_seq_length else None
-    per_row = sum(2 * a.n_kv_heads * a.head_dim * (ring if ring and a.sliding else max_seq_length)
-                  for a in (layer.attention for layer in model.layers))
-    return batch_size * per_row * dtype.itemsize
+    """Bytes of the slot pools model.setup_caches(batch_size, max_seq_length) allocates in `dtype`:
+    keys and values of every layer (this rank's KV heads) for batch_size x max_seq_length slots."""
+    per_slot = sum(2 * a.n_kv_heads * a.head_dim for a in (layer.attention for layer in model.layers))
+    return batch_size * max_seq_length * per_slot * dtype.itemsize
 
 
 def logits_bytes(vocab_size: int, rows: int) -> int:
