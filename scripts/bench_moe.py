@@ -7,7 +7,7 @@
 Run from the repository root. Current figures and the command that made them: docs/benchmarks.md.
 
 Two models with random, seeded weights, saved as checkpoints in a temporary directory and loaded
-by engine.load_model (kernels.py's CPU paths installed), as generate.py does:
+by loading.load_model (kernels.py's CPU paths installed), as generate.py does:
   moe    Mixtral-shaped: every layer's feed-forward is --experts SwiGLUs of hidden width
          --expert_hidden, of which the router picks --top_k per token
   dense  Llama-shaped, the same in every other way, one SwiGLU of hidden width
@@ -87,8 +87,7 @@ def checkpoints(args, tmp: Path) -> dict:
 
 def make_engine(path: Path, dtype: str, max_seq_length: int, prompt: list) -> Engine:
     model = load_model(path, dtype=torch.float32 if dtype == "int8" else getattr(torch, dtype))
-    engine = Engine(model, compile=True)
-    engine.setup(1, max_seq_length)
+    engine = Engine(model, 1, max_seq_length, compile=True)
     engine.warm_up([prompt], Sampling())
     return engine
 

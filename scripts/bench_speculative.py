@@ -29,8 +29,10 @@ Current figures and the commands that made them: docs/benchmarks.md.
 Protocol: batch 1, greedy, float32 (the draft too, unless --draft_dtype), --threads threads
 (default 2), chat template on, generation stops at EOS or --max_new_tokens. For each prompt,
 plain decoding, speculative decoding with a fixed k and with the adaptive k (generate.py's
-default, `speculative.next_k`) run one after the other on the same target model (same compiled
-one-token step); rounds repeat the whole set.
+default, `speculative.next_k`) run one after the other on the same target model and engine
+(plain decoding runs its compiled step, speculation verifies through its compiled chunk
+forward); each starts with the prefix cache emptied, so each prefills its prompt in full. Rounds
+repeat the whole set.
 Each engine is warmed up (compiled) before timing. The figures: decode tokens/s of
 each (tokens after the first / time after the first, as generate.py reports them), summed over
 prompts (total tokens / total time), their ratio, the tokens produced per target forward, the
@@ -147,16 +149,14 @@ def run_case(name: str, args) -> dict:
     prompts = case["prompts"][:2] if args.quick else case["prompts"]
     ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_bos=False)
            for p in prompts]
-    engine = Engine(target, compile=args.compile)
+    max_seq_length = -(-(max(map(len, ids)) + args.max_new_tokens + k) // 256) * 256  # rounded up to 256
+    engine = Engine(target, 1, max_seq_length, compile=args.compile)
     if case["draft"]:
         draft = load_model(CHECKPOINTS / case["draft"], dtype=DTYPES[args.draft_dtype])
         proposer = speculative.DraftProposer(draft, compile=args.compile)
     else:
         proposer = speculative.NgramProposer(case["ngram"], args.ngram_min)
     spec = speculative.SpeculativeEngine(engine, proposer, k, compile=args.compile)
-    max_seq_length = -(-(max(map(len, ids)) + args.max_new_tokens + k) // 256) * 256  # rounded up to 256
-    engine.setup(1, max_seq_length)
-    spec.setup(1, max_seq_length)
     sampling = Sampling()
     start = time.perf_counter()
     engine.warm_up(ids[:1], sampling)
@@ -167,12 +167,14 @@ def run_case(name: str, args) -> dict:
     runs = []
     for round_ in range(args.rounds):
         for i, prompt in enumerate(ids):
+            engine.forget_prefixes()  # every run prefills its prompt: no run starts on another's blocks
             (plain_out,), plain_stats = engine.generate([prompt], args.max_new_tokens, sampling, stop)
             plain_tokens, plain_s = decode_rate(plain_stats)
             run = dict(round=round_, prompt=i, prompt_tokens=len(prompt), new_tokens=len(plain_out),
                        plain_tokens=plain_tokens, plain_s=plain_s)
             for mode, adaptive in modes.items():
                 spec.adaptive = adaptive
+                spec.forget_prefixes()
                 (spec_out,), spec_stats = spec.generate([prompt], args.max_new_tokens, sampling, stop)
                 metrics = spec.metrics(spec_stats)
                 spec_tokens, spec_s = decode_rate(spec_stats)

@@ -1,6 +1,8 @@
 """speculative.py: greedy output identical to the target's, the sampled distribution equal to the
-target's (and a test that a wrong resampling step is caught), KV cache rollback (full and ring
-caches), EOS and max_new_tokens inside an accepted block, compile, chat, and the CLI."""
+target's (and a test that a wrong resampling step is caught), rejected positions leaving the caches
+as a plain run leaves them (paged target cache, contiguous draft cache; full and sliding-window
+attention), EOS and max_new_tokens inside an accepted block, compile, chat on the prefix cache, and
+the CLI."""
 import contextlib
 import copy
 import json
@@ -15,6 +17,7 @@ from engine import Chat, Engine
 from errors import UserError
 from loading import load_model
 from sampling import Sampling, logits_to_probs
+from scheduler import Request
 from speculative import DraftProposer, NgramProposer, SpeculativeEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,8 +53,8 @@ class ScriptedProposer(NgramProposer):
 
 
 def plain_greedy(model, prompt, n, stop_ids=(), max_seq_length=128):
-    engine = Engine(model)
-    engine.setup(1, max_seq_length)
+    # (an Engine allocates its model's KV cache anew: an engine made before on the same model must be done)
+    engine = Engine(model, 1, max_seq_length)
     (out,), _ = engine.generate([prompt], n, Sampling(), stop_ids)
     return out
 
@@ -59,9 +62,8 @@ def plain_greedy(model, prompt, n, stop_ids=(), max_seq_length=128):
 def spec_engine(target, k, draft=None, ngram=None, proposer=None, max_seq_length=128, compile=False, adaptive=True):
     if proposer is None:
         proposer = DraftProposer(draft, compile=compile) if draft is not None else NgramProposer(ngram)
-    spec = SpeculativeEngine(Engine(target, compile=compile), proposer, k, compile=compile, adaptive=adaptive)
-    spec.setup(1, max_seq_length)
-    return spec
+    return SpeculativeEngine(Engine(target, 1, max_seq_length, compile=compile), proposer, k, compile=compile,
+                             adaptive=adaptive)
 
 
 @pytest.fixture(scope="module")
@@ -159,57 +161,117 @@ def test_ngram_proposer_lookup():
 # ---------------------------------------------------------------- KV cache rollback
 
 def next_logits_after_run(model, context, fed):
-    """The model's logits for the position after `context`, given that its cache holds context[:fed]."""
+    """The model's logits for the position after `context`, given that its own contiguous cache
+    (setup_caches' row 0, as a draft keeps it) holds context[:fed]."""
     return model(torch.tensor([context[fed:]]), torch.arange(fed, len(context)))[0, -1]
 
 
-def plain_run_logits(model, prompt, context, max_seq_length=128):
-    """A fresh copy of the model: prefill the prompt, then feed the rest one token at a time."""
-    import copy
+def plain_run(model, prompt, context, max_seq_length=128):
+    """A fresh copy of the model: prefill the prompt, then feed the rest one token at a time.
+    Returns the copy (its cache holds context, position p in slot p) and the logits after context."""
     m = copy.deepcopy(model)
     m.setup_caches(1, max_seq_length)
     logits = m(torch.tensor([prompt]), torch.arange(len(prompt)))[0, -1]
     for i in range(len(prompt), len(context)):
         logits = m(torch.tensor([context[i:i + 1]]), torch.tensor([i]))[0, -1]
-    return logits
+    return m, logits
+
+
+def plain_run_logits(model, prompt, context, max_seq_length=128):
+    return plain_run(model, prompt, context, max_seq_length)[1]
+
+
+def recorded_requests(engine) -> list:
+    """The requests engine.start() admits from now on (a SpeculativeEngine's target row), kept so
+    that a test can look at the blocks they held."""
+    started, start = [], engine.start
+    engine.start = lambda request: started.append(request) or start(request)
+    return started
+
+
+def keys_and_values(model, slots: list) -> list:
+    """Every layer's keys and values at the KV cache's slots: (len(slots), n_kv_heads, head_dim) each."""
+    index = torch.tensor(slots, dtype=torch.long)
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    return [pool[index] for c in caches for pool in (c.k_cache, c.v_cache)]
+
+
+def logits_after_prefix_cache(engine, context) -> tuple:
+    """A new request over context: (its logits for the next position, computed after the blocks of
+    context it found in the engine's prefix cache, and how many tokens those blocks hold)."""
+    request = Request(list(context), 1)
+    engine.start(request)
+    try:
+        return engine.feed(request, context[request.fed:]), request.cached_tokens
+    finally:
+        engine.scheduler.finish(request, "length")
+
+
+def assert_target_cache_is_a_plain_run(engine, row, prompt, context):
+    """After a speculative run of row (finished: its blocks released, their slots untouched since):
+    every position it kept (row.fed) holds in its block the keys and values of a plain run of
+    context; and a later request over context finds the full ones in the prefix cache and, after
+    them, gets the plain run's logits."""
+    bs = engine.block_size
+    plain, plain_logits = plain_run(engine.model, prompt, context)
+    kept = [row.blocks[p // bs] * bs + p % bs for p in range(row.fed)]
+    torch.testing.assert_close(keys_and_values(engine.model, kept), keys_and_values(plain, list(range(row.fed))),
+                               atol=1e-5, rtol=0)
+    logits, cached = logits_after_prefix_cache(engine, context)
+    assert cached == min(row.fed, len(context) - 1) // bs * bs > 0
+    torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_kv_rollback_leaves_caches_as_a_plain_run(window):
-    # window 6 < max_seq_length: the sliding layers keep ring caches, which speculation must repair.
+    # nothing is rewound: rejected positions lie past what the target's request keeps (its blocks)
+    # and what the draft keeps (its own cache), and are written again later. Window 6: the sliding
+    # layers keep every position and mask the keys outside the window; k = 8 reaches past it.
     # float64: float32 logits already differ by ~1e-5 between a chunked and a one-token-at-a-time
     # run of the same tokens; in float64 they agree exactly, so any difference is a rollback error
     target = random_model(seed=0, sliding_window=window).double()
     draft = noisy_copy(target, 0.05)
-    for k in (2, 4, 5):
+    prompt = PROMPTS[2]
+    expected = plain_greedy(copy.deepcopy(target), prompt, 48)
+    if window is not None:  # the window is in effect: without it the output differs
+        assert expected != plain_greedy(random_model(seed=0).double(), prompt, 48)
+    for k in (2, 4, 5, 8):
         spec = spec_engine(target, k, draft=draft)
-        assert (target.ring_window is not None) == (window is not None)
-        prompt = PROMPTS[2]
+        started = recorded_requests(spec.engine)
         (out,), stats = spec.generate([prompt], 48, Sampling())
-        assert out == plain_greedy(target, prompt, 48)
+        assert out == expected
         assert any(stats.histogram[1:k]), stats.histogram  # partial acceptances happened
         context = prompt + out
+        (row,) = started
+        assert row.fed == len(context) - 1  # every token but the last went through the target
         with torch.inference_mode():
-            got = next_logits_after_run(target, context, len(context) - 1)
-            torch.testing.assert_close(got, plain_run_logits(target, prompt, context), atol=1e-5, rtol=0)
+            assert_target_cache_is_a_plain_run(spec.engine, row, prompt, context)
             fed = spec.proposer.fed
             assert fed == context[:len(fed)] and len(fed) >= len(context) - 2
             got = next_logits_after_run(draft, context, len(fed))
             torch.testing.assert_close(got, plain_run_logits(draft, prompt, context), atol=1e-5, rtol=0)
 
 
-def test_ring_cache_refuses_k_not_below_the_window():
+@pytest.mark.parametrize("proposer", ["noisy draft", "ngram"])
+def test_sliding_window_with_k_not_below_the_window_is_token_identical(proposer):
+    # blocks of k >= window proposals: a ring cache could not undo them (k had to stay below the
+    # window); the paged cache keeps every position and rewinds nothing, so any k is exact
     target = random_model(seed=0, sliding_window=4)
-    spec = spec_engine(target, 4, ngram=2)
-    with pytest.raises(UserError, match="sliding window"):
-        spec.generate([PROMPTS[1]], 8, Sampling())
+    prompt = PROMPTS[1]
+    expected = plain_greedy(copy.deepcopy(target), prompt, 40)
+    assert expected != plain_greedy(random_model(seed=0), prompt, 40)  # the window is in effect
+    for k in (4, 8):
+        spec = spec_engine(target, k, draft=noisy_copy(target, 0.05) if proposer == "noisy draft" else None,
+                           ngram=2 if proposer == "ngram" else None, adaptive=False)
+        (out,), stats = spec.generate([prompt], 40, Sampling())
+        assert out == expected
+        assert sum(stats.histogram) > 0  # blocks were verified
 
 
 def test_batch_larger_than_one_is_refused(target):
-    spec = SpeculativeEngine(Engine(target), NgramProposer(2), 4)
     with pytest.raises(UserError, match="one sequence at a time"):
-        spec.setup(2, 128)
-    spec.setup(1, 128)
+        SpeculativeEngine(Engine(target, 2, 128), NgramProposer(2), 4)
+    spec = SpeculativeEngine(Engine(target, 1, 128), NgramProposer(2), 4)
     with pytest.raises(UserError, match="one sequence at a time"):
         spec.generate([PROMPTS[0], PROMPTS[1]], 8, Sampling())
 
@@ -222,11 +284,17 @@ def test_compiled_matches_eager(target, monkeypatch):
     spec = spec_engine(fast, 4, draft=draft, compile=True)
     spec.warm_up([prompt], Sampling())
     lengths = []
-    verify = spec.verify
-    spec.verify = lambda m, ids, *rest: lengths.append(ids.shape[1]) or verify(m, ids, *rest)
+    chunk = spec.engine.short_chunk  # the engine's compiled chunk forward, which every verify runs
+
+    def recorded(model, tokens, *rest):
+        if rest[-1]:  # every token's logits: a verify
+            lengths.append(tokens.shape[1])
+        return chunk(model, tokens, *rest)
+
+    spec.engine.short_chunk = recorded
     # the verify graph is dynamic: every proposal count and context length runs the warmed-up graph
     # (guards checked on every call here, so that a call needing another graph would fail)
-    monkeypatch.setattr(speculative, "guards_skipped", lambda skip: contextlib.nullcontext())
+    monkeypatch.setattr("engine.guards_skipped", lambda skip: contextlib.nullcontext())
     with torch.compiler.set_stance("fail_on_recompile"):
         (out,), stats = spec.generate([prompt], 40, Sampling())
     assert out == expected
@@ -361,18 +429,19 @@ def test_ngram_greedy_is_token_identical_on_smollm2(smollm2):
 
 
 def test_chat_with_speculation_equals_plain_chat(smollm2):
-    # Chat keeps the KV cache between turns; with speculation the target and the draft caches
-    # both hold rejected positions past the conversation, which later turns must not see
+    # each turn finds the earlier turns' blocks in the prefix cache (and the draft its own cache);
+    # with speculation both caches held rejected positions past the conversation, which later
+    # turns must not see
     model, tok = smollm2
     turns = ["Repeat after me: the cat sat on the mat.", "Now say it again, in capitals.", "And once more."]
-    plain = Engine(model)
-    plain.setup(1, 512)
+    plain = Engine(copy.deepcopy(model), 1, 512)  # an engine of its own: each engine owns its model's cache
     spec = spec_engine(model, 4, draft=noisy_copy(model, 0.002), max_seq_length=512)
     a, b = Chat(plain, tok), Chat(spec, tok)
-    for turn in turns:
+    for i, turn in enumerate(turns):
         out_a, _ = a.reply(turn, 16, Sampling())
         out_b, stats = b.reply(turn, 16, Sampling())
         assert out_a == out_b
+        assert (stats.cached_tokens > 0) == (i > 0)  # from the second turn on, the prefix cache serves
     assert b.last_prefill_tokens < b.last_prompt_tokens / 2  # the cache was reused
     assert sum(stats.histogram[1:]) > 0
 

@@ -1,8 +1,9 @@
 """speculative.py under a grammar, penalties, logit_bias and logprobs (the host-picked round): greedy
 output token-identical to Engine.generate's with the same grammar (SmolLM2 with llguidance JSON
 schemas and regexes; a tiny model with a toy grammar that forces tokens), the sampled distribution
-equal to the masked target's, every sampled output valid, KV rollback around forced tokens in a
-ring cache, logprobs, stop strings and finish reasons as Engine's."""
+equal to the masked target's, every sampled output valid, KV rollback around forced tokens (full and
+sliding-window attention), the prefix cache a run leaves, logprobs, stop strings and finish reasons
+as Engine's."""
 import copy
 import json
 
@@ -11,9 +12,10 @@ import torch
 
 import speculative
 from conftest import random_model
-from engine import Engine, Request
+from engine import Engine
 from loading import load_model
 from sampling import Sampling, adjust_logits, logits_to_probs
+from scheduler import Request
 from test_speculative import (PROMPTS, RUNS, SAMPLE_PROMPT, SAMPLINGS, V, ScriptedProposer, chi_square_p_value,
                               every_continuation_logits, noisy_copy, small_vocab_pair, spec_engine)
 
@@ -104,14 +106,23 @@ def first_new(tokens: list, at: int) -> int:
     return next(t for i, t in enumerate(tokens[at:], at) if t not in tokens[:i])
 
 
+def plain_engine(model, max_seq_length=128, jump_forward=True) -> Engine:
+    engine = Engine(model, 1, max_seq_length)
+    engine.jump_forward = jump_forward  # (after sizing it: setup() starts a new scheduler)
+    return engine
+
+
 def plain_output(model, prompt, n, sampling=Sampling(), stop_ids=(), constraint=None, max_seq_length=128,
-                 jump_forward=True, **options):
-    engine = Engine(model)
-    engine.jump_forward = jump_forward
-    engine.setup(1, max_seq_length)
+                 jump_forward=True, engine=None, **options):
+    engine = engine or plain_engine(model, max_seq_length, jump_forward)
     (out,), stats = engine.generate([prompt], n, sampling, stop_ids,
                                     constraints=[constraint.fresh()] if constraint else None, **options)
     return out, stats
+
+
+def cached_prefix(engine, tokens) -> int:
+    """How many leading tokens of `tokens` the engine's prefix cache holds (whole blocks)."""
+    return len(engine.blocks.match(tokens)[0]) * engine.blocks.block_size
 
 
 def accepted_proposals(stats) -> int:
@@ -166,13 +177,17 @@ def test_grammar_completion_and_stop_tokens_end_the_output_as_in_engine(target):
     constrained = plain_output(target, PROMPTS[1], 40, constraint=grammar)[0]
     grammar.end = first_new(constrained, 12)
     for stop_ids in ((), (first_new(constrained, 6),)):
-        expected, plain_stats = plain_output(target, PROMPTS[1], 40, stop_ids=stop_ids, constraint=grammar)
+        plain = plain_engine(copy.deepcopy(target))
+        expected, plain_stats = plain_output(target, PROMPTS[1], 40, stop_ids=stop_ids, constraint=grammar,
+                                             engine=plain)
         for k in (2, 8):
             spec = spec_engine(target, k, draft=random_model(seed=0))
             (out,), stats = spec.generate([PROMPTS[1]], 40, Sampling(), stop_ids, constraints=[grammar.fresh()])
             assert out == expected and stats.finish_reasons == plain_stats.finish_reasons == ["stop"]
-            # an accepted last proposal went through the target: its cache may hold one more token
-            assert plain_stats.cached_tokens <= stats.cached_tokens <= len(PROMPTS[1]) + len(out)
+            # a later request finds the run's blocks in the prefix cache, as many as the plain run's
+            # at least (an accepted last proposal went through the target: its cache may hold one more token)
+            context = PROMPTS[1] + out
+            assert 0 < cached_prefix(plain, context) <= cached_prefix(spec.engine, context)
     for n in range(1, 14):  # max_new_tokens inside a block and inside a forced run
         expected, plain_stats = plain_output(target, PROMPTS[1], n, constraint=grammar)
         spec = spec_engine(target, 4, draft=random_model(seed=0))
@@ -182,23 +197,23 @@ def test_grammar_completion_and_stop_tokens_end_the_output_as_in_engine(target):
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_kv_rollback_with_forced_tokens(window):
-    # forced runs make the unfed tokens and blocks longer than k: in a ring cache a block is cut so
-    # that rejected positions never overwrite a kept one's slot (float64: exact comparisons)
-    from test_speculative import next_logits_after_run, plain_run_logits
+    # forced runs make the unfed tokens and blocks longer than k (with window 6, longer than the
+    # window): the rejected positions after them must leave every kept position as a plain run
+    # leaves it, and the prefix cache with the plain run's blocks (float64: exact comparisons)
+    from test_speculative import assert_target_cache_is_a_plain_run, recorded_requests
     target = random_model(seed=0, sliding_window=window).double()
     grammar = grammar_for(target, PROMPTS[2], run_length=4)
     prompt = PROMPTS[2]
-    expected = plain_output(target, prompt, 48, constraint=grammar)[0]
+    expected = plain_output(copy.deepcopy(target), prompt, 48, constraint=grammar)[0]
     for k in (2, 5):
         spec = spec_engine(target, k, draft=noisy_copy(target, 0.05))
+        started = recorded_requests(spec.engine)
         (out,), stats = spec.generate([prompt], 48, Sampling(), constraints=[grammar.fresh()])
         assert out == expected
         assert any(stats.histogram[1:k]), stats.histogram  # partial acceptances happened
-        context = prompt + out
-        fed = stats.cached_tokens
+        (row,) = started
         with torch.inference_mode():
-            got = next_logits_after_run(target, context, fed)
-            torch.testing.assert_close(got, plain_run_logits(target, prompt, context), atol=1e-5, rtol=0)
+            assert_target_cache_is_a_plain_run(spec.engine, row, prompt, prompt + out)
 
 
 def masked_exact_distribution(model, prompt, s, grammar):
@@ -350,8 +365,9 @@ def test_greedy_with_llguidance_is_token_identical_on_smollm2(smollm2, case):
     grammar = grammars.compile("json_schema", PERSON) if schema else grammars.compile("regex", DATE)
     ids = chat_ids(tok, COPY_ME if schema else "When did the Berlin wall fall? Answer with a date.")
     jump = "no-jump" not in case
+    plain = plain_engine(model, 256, jump)  # later only its block bookkeeping is read (spec's engine takes the cache)
     expected, plain_stats = plain_output(model, ids, 40, stop_ids=tok.eos_ids, constraint=grammars.constraint(grammar),
-                                         max_seq_length=256, jump_forward=jump)
+                                         engine=plain)
     draft = copy.deepcopy(model).to(torch.bfloat16) if "draft" in case else None
     spec = spec_engine(model, 8 if "ngram" in case else 4, draft=draft, ngram=3 if "ngram" in case else None,
                        max_seq_length=256)
@@ -359,7 +375,7 @@ def test_greedy_with_llguidance_is_token_identical_on_smollm2(smollm2, case):
     (out,), stats = spec.generate([ids], 40, Sampling(), tok.eos_ids, constraints=[grammars.constraint(grammar)])
     assert out == expected
     assert stats.finish_reasons == plain_stats.finish_reasons == ["stop"]
-    assert plain_stats.cached_tokens <= stats.cached_tokens <= len(ids) + len(out)
+    assert 0 < cached_prefix(plain, ids + out) <= cached_prefix(spec.engine, ids + out)  # the blocks a later turn finds
     assert accepted_proposals(stats) > 0  # proposals were verified under the grammar
     text = tok.decode([t for t in out if t not in tok.eos_ids])
     if schema:
@@ -376,7 +392,9 @@ def test_sampling_with_llguidance_is_always_valid_on_smollm2(smollm2):
     model, tok, grammars = smollm2
     grammar = grammars.compile("json_schema", SHIRT)
     ids = chat_ids(tok, "Describe a shirt as JSON with its color, size and price.")
-    spec = {proposer: spec_engine(model, 4, draft=noisy_copy(model, 0.002) if proposer == "draft" else None,
+    # a target each: an engine owns its model's KV cache (and both find the prompt in their prefix caches)
+    spec = {proposer: spec_engine(copy.deepcopy(model) if proposer == "ngram" else model, 4,
+                                  draft=noisy_copy(model, 0.002) if proposer == "draft" else None,
                                   ngram=2 if proposer == "ngram" else None, max_seq_length=256)
             for proposer in ("draft", "ngram")}
     accepted = 0
@@ -397,7 +415,13 @@ def test_a_grammar_that_forces_the_whole_output_needs_no_forward(smollm2):
     expected, plain_stats = plain_output(model, ids, 8, stop_ids=tok.eos_ids, constraint=grammars.constraint(grammar),
                                          max_seq_length=256)
     spec = spec_engine(model, 4, ngram=2, max_seq_length=256)
-    (out,), stats = spec.generate([ids], 8, Sampling(), tok.eos_ids, constraints=[grammars.constraint(grammar)])
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(args[0].shape))
+    try:
+        (out,), stats = spec.generate([ids], 8, Sampling(), tok.eos_ids, constraints=[grammars.constraint(grammar)])
+    finally:
+        hook.remove()
     assert out == expected and tok.decode(out) == "yes"
     assert stats.finish_reasons == plain_stats.finish_reasons == ["stop"]
-    assert stats.target_forwards == 0 and stats.cached_tokens == 0  # nothing went through the target
+    assert stats.target_forwards == 0 and forwards == []  # nothing went through the target
+    assert cached_prefix(spec.engine, ids) == 0  # nor into its cache
