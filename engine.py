@@ -126,6 +126,7 @@ class Engine:
             fused = compile and self.device.type == "cpu" and kernels.available() and not self.pad_rows
             fused_rows = 64 if fused else 0
         self.fused_rows, self.prefill_chunk, self.max_waiting = fused_rows, prefill_chunk, max_waiting
+        self.forces_whole = True  # feed the tokens a grammar forces as one chunk (jump_forward)
         self.store = None  # the prefix cache on disk (prompt_store.PromptStore), when one is open
         self.setup(max_batch_size, max_seq_length, kv_tokens, prefix_caching)
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
@@ -148,6 +149,7 @@ class Engine:
         window = self.model.args.sliding_window if any(layer.attention.sliding for layer in self.model.layers) else None
         self.scheduler = Scheduler(self.blocks, max_batch_size, self.fused_rows, self.chunk_tokens(),
                                    self.max_waiting, recompute_position(self.model.args), window, self.window_blocks)
+        self.scheduler.jump_forward = self.forces_whole
 
     def chunk_tokens(self) -> int:
         return self.prefill_chunk or self.max_seq_length
@@ -183,11 +185,11 @@ class Engine:
 
     @property
     def jump_forward(self) -> bool:
-        return self.scheduler.jump_forward
+        return self.forces_whole
 
     @jump_forward.setter
     def jump_forward(self, on: bool):
-        self.scheduler.jump_forward = on
+        self.forces_whole = self.scheduler.jump_forward = on
 
     @property
     def counters(self):
@@ -378,7 +380,7 @@ class Engine:
         it itself (speculative decoding: feed() and keep())."""
         self.submit(request)
         self.scheduler.admit()
-        if request not in self.scheduler.running:
+        if request not in self.scheduler.running and request.finish_reason is None:  # (a grammar may end it at once)
             raise UserError("the KV cache cannot hold this sequence beside the running ones")
 
     def feed(self, request: Request, tokens: list, every: bool = False) -> Tensor:
@@ -427,7 +429,7 @@ class Engine:
                 self.submit(row)
             while any(r.finish_reason is None for r in rows):
                 counts = [len(r.out) for r in rows]
-                if not self.step():
+                if not self.step() and any(r.finish_reason is None for r in rows):  # (a grammar may end one at once)
                     raise UserError("the KV cache cannot hold these prompts")
                 if first is None and all(r.out for r in rows):
                     first = time.perf_counter()

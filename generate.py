@@ -65,10 +65,9 @@ def compare_with_plain(spec: speculative.SpeculativeEngine, prompts: list, max_n
     """Decode the same prompt without speculation (the target's own Engine) and compare speeds
     and, greedy, the outputs. metrics: the speculative run's; options: generate's (a fresh constraint)."""
     host = options["logprobs"] is not None or sampling.adjusts
-    spec.engine.warm_up(prompts, sampling, min(3, max_new_tokens), host=host,
-                        constrained=options["constraints"] is not None)
+    spec.engine.warm_up(prompts, sampling, host=host, constrained=options["constraints"] is not None)
+    spec.forget_prefixes()  # the plain run computes the prompt, as the speculative one did
     outputs, stats = spec.engine.generate(prompts, max_new_tokens, sampling, stop_ids, **options)
-    spec.forget_cache()  # the target's cache now holds the plain run
     plain = spec.engine.metrics(stats)["decode_tokens_per_s"]
     result = {"plain_decode_tokens_per_s": plain,
               "speedup": metrics["decode_tokens_per_s"] / plain if plain else 0.0}

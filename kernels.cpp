@@ -1006,8 +1006,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "attend: shapes");
   // off[b * S + s]: where row b's key s starts, in elements from the pool (or the row), for k and v alike
   const int64_t key_stride = paged ? k.stride(0) : k.stride(2);
-  TORCH_CHECK(key_stride == (paged ? v.stride(0) : v.stride(2)) && k.stride(1) == v.stride(1) &&
-              k.stride(0) == v.stride(0), "attend: k and v strides");
+  auto same_stride = [&](int64_t d) { return k.size(d) == 1 || k.stride(d) == v.stride(d); };  // (a size-1 dim's is moot)
+  TORCH_CHECK(same_stride(0) && same_stride(1) && (paged || same_stride(2)), "attend: k and v strides");
   std::vector<int64_t> off(B * S);
   if (paged) {
     auto sc = slots->contiguous();

@@ -338,7 +338,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap:
     slots[b, s] (no copy); mask (B, 1, T, S). softmax(scale * q k^T, soft-capped when softcap > 0,
     + mask) v, float32."""
     if k.stride() != v.stride():  # the kernel reads key j and value j at one offset
-        k, v = k.contiguous(), v.contiguous()
+        k, v = k.contiguous(), v.contiguous()  # (strides of size-1 dims may still differ: the kernel ignores those)
     return torch.ops.minillm.attend(q.float(), k, v, mask.float(), scale, softcap, slots)
 
 

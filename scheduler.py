@@ -372,12 +372,13 @@ class Scheduler:
                 return
 
     def finish(self, req: Request, reason: str, error: Optional[str] = None):
+        """The request ends (its blocks go back, cached ones stay cached), if it has not already."""
+        if req in self.running:  # (one whose output ended it outside a step still holds its blocks)
+            self.running.remove(req)
+            self.release(req)
         if req.finish_reason is not None:
             return
         req.finish_reason, req.error = reason, error
-        if req in self.running:
-            self.running.remove(req)
-            self.release(req)
         self.counters["requests_finished"] += 1
         if req.on_finish:
             try:

@@ -450,7 +450,12 @@ class SpeculativeEngine:
         draft_forwards_before = self.proposer.forwards
         self.k_round = min(ADAPTIVE_MIN_K, self.k) if self.adaptive else self.k
         start = time.perf_counter()
-        self.engine.start(row)
+        scheduler = self.engine.scheduler
+        jump, scheduler.jump_forward = scheduler.jump_forward, False
+        try:  # what a grammar forces before any choice is the rounds' to hand out
+            self.engine.start(row)
+        finally:
+            scheduler.jump_forward = jump
         try:
             self.rounds(row, host, stats, on_tokens)
         finally:
