@@ -469,12 +469,19 @@ class Engine:
         start = time.perf_counter()
         if steps > 0:
             self.generate(prompts, steps, sampling, host=host)
-        if (host or constrained) and len(prompts) == 1:  # the chunk of forced tokens: two lengths, one graph
-            with torch.inference_mode():  # no blocks: the scratch block
-                for T in (2, 3):
-                    self.run_chunk([0] * T, 64, ([], []))
+        if (host or constrained) and len(prompts) == 1:  # the chunks of forced tokens
+            self.warm_up_chunks(3)
         self.forget_prefixes()
         log(f"compiled in {time.perf_counter() - start:.1f} s")
+
+    def warm_up_chunks(self, longest: int):
+        """Run the graph of a few tokens after cached ones (a verify, a grammar's forced tokens) in
+        the shapes that compile apart: one token or more, a block table of one block or more (a
+        dynamic graph specializes sizes of 1), up to longest tokens. Nothing is kept (the scratch block)."""
+        with torch.inference_mode():
+            for T, pos in ((longest, 3), (2, 20), (3, 5), (1, 9), (1, 40)):
+                pos = max(1, min(pos, self.max_seq_length - T))
+                self.run_chunk([0] * T, pos, ([], []), every=True)
 
     def metrics(self, stats: "Stats") -> dict:
         return decode_metrics(stats, self.model, self.device)

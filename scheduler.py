@@ -234,12 +234,14 @@ class Scheduler:
                     return False
         return True
 
-    def release(self, req: Request):
-        """Every block of req goes back; it has fed nothing."""
+    def release(self, req: Request, forget: bool = True):
+        """Every block of req goes back; it has fed nothing (forget), or (a finished request) its
+        tables stay as the record of where its keys were."""
         self.blocks.release([b for b in req.blocks if b >= 0])
         if self.window_blocks:
             self.window_blocks.release([b for b in req.window_blocks if b >= 0])
-        req.blocks, req.window_blocks, req.keys, req.fed = [], [], [], 0
+        if forget:
+            req.blocks, req.window_blocks, req.keys, req.fed = [], [], [], 0
 
     def release_out_of_window(self, req: Request):
         """The sliding layers' blocks that no later query can see go back: every position of theirs
@@ -375,7 +377,7 @@ class Scheduler:
         """The request ends (its blocks go back, cached ones stay cached), if it has not already."""
         if req in self.running:  # (one whose output ended it outside a step still holds its blocks)
             self.running.remove(req)
-            self.release(req)
+            self.release(req, forget=False)
         if req.finish_reason is not None:
             return
         req.finish_reason, req.error = reason, error

@@ -422,9 +422,8 @@ class SpeculativeEngine:
         log("compiling (about a minute the first time, cached on disk afterwards)...")
         start = time.perf_counter()
         engine = self.engine
+        engine.warm_up_chunks(self.k + 1)  # the verify's shapes, and the plain step's
         with torch.inference_mode():
-            for length, pos in ((self.k + 1, 3), (2, 7), (1, 9)):  # the second call runs the dynamic graph
-                engine.run_chunk([0] * length, pos, ([], []), every=True)  # no blocks: the scratch block
             self.proposer.warm_up(sampling, host or constrained)
         log(f"compiled in {time.perf_counter() - start:.1f} s")
 
