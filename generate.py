@@ -42,7 +42,7 @@ from prompt_store import open_store
 from rope import trained_context
 from sampling import MAX_LOGPROBS, Sampling, check_sampling
 from tokenizer import StopStrings, Tokenizer
-from tp import MODES as TP_MODES, init_from_env
+from tp import MODES as TP_MODES, init_from_env, ranks_on_this_machine
 
 
 def print_metrics(metrics: dict):
@@ -119,12 +119,7 @@ def print_logprobs(tok: Tokenizer, logprobs: list):
             log(f"  {chosen:9.4f}  " + "  ".join(f"{tok.decode([t])!r} {lp:.4f}" for t, lp in top))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Generate text with a checkpoint made by convert_hf_checkpoint.py or download.py.",
-        epilog="Compilation (--compile) is on by default: the compiled decode step is several times "
-               "faster, and its first run compiles (about a minute on CPU, cached on disk afterwards). "
-               "Pass --no-compile for a quick single run.")
+def add_model_args(p):
     p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint directory")
     p.add_argument("--shape", choices=shapes.SHAPES, default=None,
                    help="instead of --checkpoint, a model of this shape with random weights made on the device "
@@ -132,36 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", default=None, metavar="int8|int4-gN",
                    help="with --shape: quantize its weights in memory (int8, int4-g32, int4-g64, ...)")
     p.add_argument("--prompt_length", type=int, default=16, help="with --shape: prompt tokens (default: 16)")
-    p.add_argument("--prompt", action="append",
-                   help="prompt text; repeat to generate for several prompts in one batch")
-    p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=None)
-    p.add_argument("--top_p", type=float, default=1.0)
-    p.add_argument("--min_p", type=float, default=0.0, help="drop tokens less likely than this x the most likely")
-    p.add_argument("--repetition_penalty", type=float, default=1.0,
-                   help="divide a positive logit (multiply a negative one) of every token already in the prompt "
-                        "or output by this (1: off)")
-    p.add_argument("--presence_penalty", type=float, default=0.0,
-                   help="subtract this from the logit of a token already in the output (OpenAI's; -2..2)")
-    p.add_argument("--frequency_penalty", type=float, default=0.0,
-                   help="subtract this times its count in the output from a token's logit (OpenAI's; -2..2)")
-    p.add_argument("--logit_bias", action="append", default=[], metavar="ID=BIAS",
-                   help="add BIAS (-100..100) to token ID's logit; repeat for several tokens")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end the output where this text appears (not printed); repeat for several")
-    p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help=f"print each token's log-probability and the N (0-{MAX_LOGPROBS}) most likely ones to stderr")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    constrain = p.add_mutually_exclusive_group()
-    constrain.add_argument("--json", action="store_true", help="the output is a JSON object")
-    constrain.add_argument("--json_schema", type=Path, default=None, metavar="FILE",
-                           help="the output is JSON that matches the JSON schema in FILE")
-    constrain.add_argument("--regex", default=None, metavar="PATTERN", help="the output matches this regex")
-    constrain.add_argument("--grammar", type=Path, default=None, metavar="FILE",
-                           help="the output matches the grammar in FILE (llguidance's Lark syntax)")
-    p.add_argument("--jump_forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="feed the tokens a grammar forces as one chunk, not one decode step each (default: on)")
     p.add_argument("--num_samples", type=int, default=1, help="generate this many times")
     p.add_argument("--batch_size", type=int, default=1, help="copies of a single prompt to decode together")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -192,6 +157,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interactive", action="store_true",
                    help="multi-turn chat on stdin; the KV cache is kept across turns")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens (benchmarks)")
+
+
+def add_sampling_args(p):
+    p.add_argument("--prompt", action="append",
+                   help="prompt text; repeat to generate for several prompts in one batch")
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=None)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--min_p", type=float, default=0.0, help="drop tokens less likely than this x the most likely")
+    p.add_argument("--repetition_penalty", type=float, default=1.0,
+                   help="divide a positive logit (multiply a negative one) of every token already in the prompt "
+                        "or output by this (1: off)")
+    p.add_argument("--presence_penalty", type=float, default=0.0,
+                   help="subtract this from the logit of a token already in the output (OpenAI's; -2..2)")
+    p.add_argument("--frequency_penalty", type=float, default=0.0,
+                   help="subtract this times its count in the output from a token's logit (OpenAI's; -2..2)")
+    p.add_argument("--logit_bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit; repeat for several tokens")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the output where this text appears (not printed); repeat for several")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help=f"print each token's log-probability and the N (0-{MAX_LOGPROBS}) most likely ones to stderr")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    constrain = p.add_mutually_exclusive_group()
+    constrain.add_argument("--json", action="store_true", help="the output is a JSON object")
+    constrain.add_argument("--json_schema", type=Path, default=None, metavar="FILE",
+                           help="the output is JSON that matches the JSON schema in FILE")
+    constrain.add_argument("--regex", default=None, metavar="PATTERN", help="the output matches this regex")
+    constrain.add_argument("--grammar", type=Path, default=None, metavar="FILE",
+                           help="the output matches the grammar in FILE (llguidance's Lark syntax)")
+    p.add_argument("--jump_forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="feed the tokens a grammar forces as one chunk, not one decode step each (default: on)")
+
+
+def add_speculation_args(p):
     p.add_argument("--draft_checkpoint", type=Path, default=None,
                    help="speculative decoding (speculative.py): this smaller or quantized model, with the "
                         "same tokenizer, proposes --speculate_k tokens that the target checks in one forward")
@@ -209,6 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare_plain", action="store_true",
                    help="with speculation: also decode without it and print both speeds (and, greedy, "
                         "whether the outputs are identical)")
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Generate text with a checkpoint made by convert_hf_checkpoint.py or download.py.",
+        epilog="Compilation (--compile) is on by default: the compiled decode step is several times "
+               "faster, and its first run compiles (about a minute on CPU, cached on disk afterwards). "
+               "Pass --no-compile for a quick single run.")
+    add_model_args(p)
+    add_sampling_args(p)
+    add_speculation_args(p)
     p.add_argument("--prompt_cache", type=Path, default=None, metavar="DIR",
                    help="keep the prompts' KV cache blocks on disk here too: a later run that meets the same "
                         "prompt beginning loads them instead of computing them")
@@ -415,6 +428,23 @@ def memory_needs(args, prompts, max_seq_length: int, dtype, draft_dtype) -> Call
     return needs
 
 
+def cache_tokens(args, tp, device, dtype, rows: int, max_seq_length: int) -> int:
+    """The KV cache's tokens: every row's if the memory left beside the weights (of this rank's
+    shard) and a step's logits and activations holds it, else fewer (at least one sequence's): the
+    rows then run in turns."""
+    config = shapes.shape_args(args.shape) if args.shape else checkpoint.read_config(args.checkpoint)
+    if args.shape and args.quantize:
+        return rows * max_seq_length  # (a shape's quantized size: its preflight checks one sequence)
+    meta = meta_model(config, tp)
+    reserve = weight_bytes(meta, dtype) + logits_bytes(config.vocab_size, rows) + \
+        activation_bytes(config, max_seq_length, max_seq_length, dtype)
+    ranks = ranks_on_this_machine() if tp is not None and device.type == "cpu" else 1
+    tokens = tokens_that_fit(meta, dtype, rows * max_seq_length, max_seq_length, device, reserve, ranks)
+    if tokens < rows * max_seq_length:
+        log(f"the KV cache holds {tokens} tokens, not {rows} x {max_seq_length}: the sequences run in turns")
+    return tokens
+
+
 def load(tp, checkpoint_dir, device, dtype, shard: bool = True, needs=None):
     """Under torchrun every rank loads its shard (or, shard=False, the whole model); if one
     fails, all stop with its message."""
@@ -428,6 +458,7 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
     SpeculativeEngine when a proposer is asked for; needs: the run's other buffers, checked with
     the target's weights before they load (memory_needs)."""
     start = time.perf_counter()
+    kv_tokens = cache_tokens(args, tp, device, dtype, rows, max_seq_length)
     if args.shape:
         model = shapes.random_model(args.shape, device, dtype, args.quantize, needs=needs)
     else:
@@ -438,13 +469,7 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
     log(f"{made} ({model.args.architecture}, {size / 1e6:.0f} MB of weights "
         f"in {args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
     # every prompt in one chunk (as a request's first forward), each step attending over the whole
-    # length: one compiled graph; the rows' tokens sampled inside it where they can be. A cache for
-    # every row if memory holds it, else for fewer: the rows then run in turns
-    reserve = logits_bytes(model.args.vocab_size, rows) + activation_bytes(model.args, max_seq_length, max_seq_length,
-                                                                           dtype)
-    kv_tokens = tokens_that_fit(model, dtype, rows * max_seq_length, max_seq_length, device, reserve)
-    if kv_tokens < rows * max_seq_length:
-        log(f"the KV cache holds {kv_tokens} tokens, not {rows} x {max_seq_length}: the sequences run in turns")
+    # length: one compiled graph; the rows' tokens sampled inside it where they can be
     engine = Engine(model, rows, max_seq_length, kv_tokens, compile=args.compile, compile_prefill=args.compile_prefill,
                     compile_mode=args.compile_mode, prefill_chunk=max_seq_length, kv_buckets=False)
     if args.prompt_cache is not None and not args.shape:

@@ -76,13 +76,15 @@ def available_memory(device) -> Optional[int]:
     return free
 
 
-def tokens_that_fit(model: Transformer, dtype: torch.dtype, want: int, floor: int, device, reserve: int = 0) -> int:
-    """KV cache tokens to allocate: want, or as many as the memory available on device holds
-    beside reserve bytes (within MEMORY_MARGIN), but not fewer than floor (check_memory then says
-    whether floor fits)."""
+def tokens_that_fit(model: Transformer, dtype: torch.dtype, want: int, floor: int, device, reserve: int = 0,
+                    ranks: int = 1) -> int:
+    """KV cache tokens to allocate: want, or as many as the memory available on device (a 1/ranks
+    part of it) holds beside reserve bytes (within MEMORY_MARGIN), but not fewer than floor
+    (check_memory then says whether floor fits)."""
     have = available_memory(device)
     if have is None:
         return want
+    have //= ranks
     per_token = max(1, kv_cache_bytes(model, 1, 1, dtype))
     return max(floor, min(want, int((have * MEMORY_MARGIN - reserve) // per_token)))
 

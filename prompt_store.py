@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 

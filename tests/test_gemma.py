@@ -28,7 +28,6 @@ from loading import load_model
 from memory import kv_cache_bytes
 from model import ForwardBatch, ModelArgs, Transformer
 from sampling import Sampling
-from speculative import common_prefix
 
 GEMMA3 = ROOT / "checkpoints" / "gemma3-270m"
 GOLDEN = Path(__file__).parent / "golden" / "gemma3-270m.json"
@@ -175,25 +174,20 @@ class CharTokenizer:
 
 @pytest.mark.parametrize("marked_replies", [False, True])
 def test_chat_with_sliding_window_equals_reprefill(marked_replies):
-    """Cache reuse across turns with sliding-window layers: a turn starts on the prefix cache's
-    blocks of the previous turn's tokens (whole blocks of the common beginning, a rewind to the
-    last of them where the rendered history differs) and its first computed tokens attend over
-    cached keys inside their window; the replies equal those of a chat prefilled from scratch
+    """A chat with sliding-window layers, whose blocks leave the cache once out of their window: no
+    prefix is cached (a later turn could not find the keys its sliding layers need), every turn
+    prefills the whole conversation, and the replies equal those of a chat that forgets its cache
     every turn."""
     reuse_engine, fresh_engine = Engine(tiny_gemma3(), 1, 512), Engine(tiny_gemma3(), 1, 512)
     tok = CharTokenizer(marked_replies)
     reuse, fresh = Chat(reuse_engine, tok), Chat(fresh_engine, tok, reuse_cache=False)
-    fed, bs = [], reuse_engine.block_size
-    for i, turn in enumerate(["Hello there, how are you?", "Tell me more.", "And then?"]):
+    assert not reuse_engine.blocks.prefix_caching
+    for turn in ["Hello there, how are you?", "Tell me more.", "And then?"]:
         a, _ = reuse.reply(turn, 20, Sampling())
         b, _ = fresh.reply(turn, 20, Sampling())
         assert a == b
         ids = tok.encode(tok.apply_chat_template(reuse.messages[:-1]))
-        assert fresh.last_prefill_tokens == reuse.last_prompt_tokens == len(ids)
-        if i > 0:  # the whole blocks of what the last turn fed (all but its last token) that this turn repeats
-            cached = bs * (min(common_prefix(fed, ids), len(ids) - 1) // bs)
-            assert cached >= bs and reuse.last_prefill_tokens == len(ids) - cached
-        fed = ids + a[:-1]
+        assert fresh.last_prefill_tokens == reuse.last_prefill_tokens == reuse.last_prompt_tokens == len(ids)
 
 
 def test_compiled_decode_with_sliding_window_matches_eager():

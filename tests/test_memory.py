@@ -47,7 +47,20 @@ def test_generate_refuses_a_cache_beyond_memory(smollm2_dir, flags, flag):
         pytest.skip("a million tokens of SmolLM2's cache fit on this device")
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--no-compile", *flags, timeout=60)
     line = refused(r, flag)
-    assert line.startswith("error: the KV cache for ")
+    # sequences beyond what the cache holds run in turns: a huge batch is refused for its logits
+    assert line.startswith("error: the logits of 100000 sequences" if flag == "--batch_size" else "error: the KV cache for ")
+
+
+def test_generate_runs_a_batch_beyond_the_cache_in_turns(smollm2_dir):
+    """A cap on the memory that holds the weights and one sequence's cache, not sixty: the rows run
+    in turns (a warning says so) and each gives its text alone."""
+    env = dict(os.environ, MINILLM_AVAILABLE_MEMORY=str(int(0.75 * 10**9)))
+    flags = ["--no-compile", "--max_new_tokens", "12", "--max_seq_length", "1024"]
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--prompt", "Once upon a time", "--batch_size", "60",
+                   *flags, env=env, timeout=600)
+    assert r.returncode == 0 and "the sequences run in turns" in r.stderr, r.stderr[-2000:]
+    alone = run_script("generate.py", "--checkpoint", smollm2_dir, "--prompt", "Once upon a time", *flags, timeout=300)
+    assert r.stdout.splitlines() == alone.stdout.splitlines() * 60
 
 
 def test_eval_refuses_a_window_beyond_memory(smollm2_dir):
@@ -58,7 +71,7 @@ def test_eval_refuses_a_window_beyond_memory(smollm2_dir):
 
 def test_serve_refuses_slots_beyond_memory(smollm2_dir):
     r = run_script("serve.py", "--checkpoint", smollm2_dir, "--max_batch_size", 100000, "--no-compile", timeout=60)
-    assert refused(r, "--max_batch_size").startswith("error: the KV cache for 100000 + 1 rows of ")
+    assert refused(r, "--max_batch_size").startswith("error: the KV cache for 409600000 tokens")
 
 
 def test_generate_counts_the_draft(smollm2_dir, tmp_path, monkeypatch):
@@ -74,17 +87,19 @@ def test_generate_counts_the_draft(smollm2_dir, tmp_path, monkeypatch):
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU ranks share one machine's memory; a GPU rank has its own")
 def test_each_tensor_parallel_rank_checks_its_shard(smollm2_dir):
-    # SmolLM2's 3 KV heads split 2 + 1; a 6 GB cap is 3 GB for each rank, where rank 0's cache does not fit
+    # SmolLM2's 3 KV heads split 2 + 1; a 6 GB cap is 3 GB for each rank, where rank 0's cache of one
+    # sequence of 128k tokens does not fit (3.7 GB), and rank 1's (1.9 GB) does
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "generate.py",
-           "--checkpoint", str(smollm2_dir), "--no-compile", "--batch_size", "300", "--device", "cpu"]
+           "--checkpoint", str(smollm2_dir), "--no-compile", "--max_new_tokens", "128000", "--extend_context",
+           "--device", "cpu"]
     env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_TIMEOUT_S="300", MINILLM_TP_STACKS="1",
                MINILLM_AVAILABLE_MEMORY=str(6 * 10**9))
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
-    assert errors[0].startswith("error: rank 0: the KV cache for 300 sequences of 256 tokens would need 2.36 GB") \
+    assert errors[0].startswith("error: rank 0: the KV cache for one sequence of 128005 tokens would need 3.93 GB") \
         and "but 3 GB is available on cpu for each of the 2 ranks on this machine" in errors[0] \
-        and errors[0].endswith(": lower --batch_size or --max_new_tokens"), errors[0]
+        and errors[0].endswith(": lower --max_new_tokens"), errors[0]
 
 
 # ---------------------------------------------------------------- quantize.py, under a cap on the free memory
