@@ -1,5 +1,7 @@
-"""engine.BatchEngine: continuous batching gives each request what it gets alone (float32 greedy),
-prefix reuse, per-request seeds and sampling, cancellation and faults that end one request only."""
+"""The serving engine (engine.Engine.for_serving, what serve.py runs): continuous batching gives each
+request what it gets alone (float32 greedy), the prefix cache, per-request seeds and sampling,
+cancellation and faults that end one request only."""
+import collections
 import copy
 import random
 import shutil
@@ -11,10 +13,11 @@ import torch
 import kernels
 import qlayers
 from conftest import TEST_DEVICE, random_model
-from engine import BatchEngine, Engine, QueueFull, Request
+from engine import Engine
 from errors import UserError
 from model import Transformer
 from sampling import Sampling, sample_rows
+from scheduler import QueueFull, Request
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,13 +25,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def alone(model, prompt, n):
     """What Engine.generate (generate.py's engine) gives for one prompt, greedy (on a copy: its
     caches are the model's)."""
-    engine = Engine(copy.deepcopy(model))
-    engine.setup(1, 128)
+    engine = Engine(copy.deepcopy(model), 1, 128)
     (out,), _ = engine.generate([prompt], n, Sampling())
     return out
 
 
-def run_all(engine: BatchEngine, arrivals: dict, max_steps=1000):
+def serving(model, max_batch_size, max_seq_length, **options) -> Engine:
+    """The engine as serve.py builds it (weights prepacked for oneDNN, as serve.py's default)."""
+    return Engine.for_serving(model, max_batch_size, max_seq_length, **{"prepack": True, **options})
+
+
+def run_all(engine: Engine, arrivals: dict, max_steps=1000):
     """arrivals: step -> requests submitted before that step. Steps until every request ends."""
     everyone = [r for rs in arrivals.values() for r in rs]
     for step in range(max_steps):
@@ -40,10 +47,11 @@ def run_all(engine: BatchEngine, arrivals: dict, max_steps=1000):
     raise AssertionError("requests did not finish")
 
 
-def record_widths(engine: BatchEngine) -> list:
-    """The rows of each step the engine plans from now on (decoding rows and prompt rows)."""
-    widths, plan = [], engine._plan
-    engine._plan = lambda: (p := plan(), widths.append(len(p.decode) + sum(len(c[1]) for c in p.fused)))[0]
+def record_widths(engine: Engine) -> list:
+    """The rows of each step's one forward that the engine plans from now on (decoding rows and
+    the prompt tokens riding beside them; steps of prompt chunks alone are left out)."""
+    widths, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (p := schedule(), p.rides and widths.append(len(p.rides)))[0]
     return widths
 
 
@@ -62,9 +70,9 @@ def test_each_request_as_alone(arch, compiled):
     ps = prompts(7, seed=1)
     want = [alone(model, p, 12) for p in ps]
     fast = kernels.install(copy.deepcopy(model))
-    engine = BatchEngine(fast, max_batch_size=4, max_seq_length=128, compile=compiled, prefill_chunk=16)
+    engine = serving(fast, 4, 128, compile=compiled, prefill_chunk=16)
     reqs = [Request(p, 12) for p in ps]
-    run_all(engine, {0: reqs[:2], 3: reqs[2:5], 9: reqs[5:]})  # more requests than slots: some wait
+    run_all(engine, {0: reqs[:2], 3: reqs[2:5], 9: reqs[5:]})  # more requests than rows: some wait
     assert [r.out for r in reqs] == want
     assert all(r.finish_reason == "length" for r in reqs)
 
@@ -78,10 +86,10 @@ def test_wide_steps_as_alone():
 
 
 def assert_wide_steps_as_alone(solo: Transformer, served: Transformer, ps: list, n: int):
-    """11 prompts at once and 2 more at step 6 through a compiled BatchEngine on `served`: each
+    """11 prompts at once and 2 more at step 6 through a compiled serving engine on `served`: each
     request's greedy tokens are its solo run's on `solo`, and a step took more than 16 rows."""
     want = [alone(solo, p, n) for p in ps]
-    engine = BatchEngine(served, max_batch_size=13, max_seq_length=128, compile=True, prefill_chunk=16)
+    engine = serving(served, 13, 128, compile=True, prefill_chunk=16)
     widths = record_widths(engine)
     reqs = [Request(p, n) for p in ps]
     run_all(engine, {0: reqs[:11], 6: reqs[11:]})
@@ -110,7 +118,7 @@ def test_warm_up_compiles_every_step_shape():
     for the compiler in the middle of serving)."""
     import serve
     model = kernels.install(random_model(device=TEST_DEVICE))
-    engine = BatchEngine(model, max_batch_size=17, max_seq_length=300, compile=True, prefill_chunk=64)
+    engine = serving(model, 17, 300, compile=True, prefill_chunk=64)
     torch._dynamo.reset()
     serve.warm_up(engine)
     reqs = [Request(p[:4], 40) for p in prompts(16, seed=6)] + [Request([1 + i % 200 for i in range(256)], 40)]
@@ -130,11 +138,10 @@ def test_padded_rows_compile_once_and_change_no_token():
     model = random_model(device=TEST_DEVICE)
     ps = prompts(9, seed=8)
     want = [alone(model, p, 10) for p in ps]
-    engine = BatchEngine(kernels.install(copy.deepcopy(model)), max_batch_size=5, max_seq_length=200, compile=True,
-                         prefill_chunk=16, pad_rows=True)
+    engine = serving(kernels.install(copy.deepcopy(model)), 5, 200, compile=True, prefill_chunk=16, pad_rows=True)
     widths = []  # the rows of each compiled call
-    decode = engine.decode
-    engine.decode = lambda model, tokens, *args: (widths.append(len(tokens)), decode(model, tokens, *args))[1]
+    rides = engine.rides
+    engine.rides = lambda model, tokens, *args: (widths.append(len(tokens)), rides(model, tokens, *args))[1]
     torch._dynamo.reset()
     serve.warm_up(engine)
     assert widths == [2] * 4 + [4] * 4 + [8] * 4  # (rows 2, 4, 8) x (cache lengths 128, 200) x 2
@@ -162,93 +169,125 @@ def test_compile_caches_are_keyed_by_the_traced_code(tmp_path):
     (edited / "kernels.py").write_text(source.replace("TILE_MAX_TOKENS = 64", "TILE_MAX_TOKENS = 48"))
     assert compile_.compile_cache_tag(same) == compile_.compile_cache_tag(root) != compile_.compile_cache_tag(edited)
     with torch.compiler.config.patch(cache_key_tag="mine"):  # (monkeypatch's undo deletes a config entry)
-        BatchEngine(random_model(), max_batch_size=2, max_seq_length=32, compile=True)
+        serving(random_model(), 2, 32, compile=True)
         assert torch.compiler.config.cache_key_tag == "mine:" + compile_.compile_cache_tag()
 
 
-def occupy(engine: BatchEngine, streams: int, prompt_len: int) -> Request:
-    """Slots 0..streams-1 decoding (40 tokens in), and the next slot holding a prompt of
-    prompt_len tokens not yet fed, which is returned."""
+def occupy(engine: Engine, streams: int, prompt_len: int) -> tuple[list, Request]:
+    """`streams` requests decoding (40 tokens in, their blocks taken), then a prompt of prompt_len
+    tokens not yet fed, all running: (the streams, the prompt)."""
+    scheduler, blocks = engine.scheduler, engine.blocks
+    running = []
     for i in range(streams):
-        stream = Request([1] * 40, 100)
-        stream.out, stream.fed, stream.slot = [2], 40, i
-        engine.slots[i].request = stream
-    prompt = Request([3] * prompt_len, 4)
-    prompt.slot = streams
-    engine.slots[streams].request = prompt
-    return prompt
+        stream = Request([1] * 40, 100, Sampling())
+        stream.out, stream.fed, stream.blocks = [2], 40, blocks.allocate(blocks.blocks_for(41))
+        running.append(stream)
+    prompt = Request([3] * prompt_len, 4, Sampling())
+    for i, req in enumerate(running + [prompt]):
+        req.admitted = i + 1
+    scheduler.running.extend(running + [prompt])
+    return running, prompt
+
+
+def prompt_rides(plan, req: Request) -> list:
+    """The positions of req's tokens that ride in the plan's one forward."""
+    return [pos for (_, pos, _), r in zip(plan.rides, plan.requests) if r is req]
 
 
 def test_prompt_rows_fill_the_step_at_short_positions_only():
     """Beside 8 decoding streams, a prompt's start fills the step (its rows cost little beside the
     weights' read), while rows 1,500 positions in (each reading its keys apart) ride 8 at a time."""
-    engine = BatchEngine(random_model(device=TEST_DEVICE), max_batch_size=9, max_seq_length=2100, fused_rows=64)
-    long = occupy(engine, 8, 2000)
+    engine = serving(random_model(device=TEST_DEVICE), 9, 2100, fused_rows=64)
+    streams, long = occupy(engine, 8, 2000)
     for fed, rows in [(0, 56), (1500, 8)]:
-        long.fed = fed
-        plan = engine._plan()
-        assert len(plan.decode) == 8 and not plan.prefill
-        assert [(row, len(ids), start) for row, ids, start in plan.fused] == [(8, rows, fed)]
+        long.fed = fed  # with the blocks of what it has fed
+        long.blocks += engine.blocks.allocate(max(0, engine.blocks.blocks_for(fed) - len(long.blocks)))
+        plan = engine.scheduler.schedule()
+        assert plan.requests[:8] == streams and plan.wants[:8] == list(range(8)) and not plan.chunks
+        assert [pos for _, pos, _ in plan.rides[:8]] == [40] * 8
+        assert len(plan.rides) == 8 + rows and prompt_rides(plan, long) == list(range(fed, fed + rows))
 
 
 def test_a_prompt_takes_a_chunk_where_a_full_step_leaves_a_row_or_two():
     """Beside 15 streams in a 16-row step, a prompt is prefilled in a chunk of its own rather than
     one row per step; a short remainder still rides in the step."""
-    engine = BatchEngine(random_model(device=TEST_DEVICE), max_batch_size=16, max_seq_length=300,
-                         fused_rows=16, prefill_chunk=64)
-    new = occupy(engine, 15, 200)
-    plan = engine._plan()
-    assert len(plan.decode) == 15 and not plan.fused
-    assert [(r, len(ids), s) for r, ids, s in plan.prefill] == [(15, 64, 0)]
+    engine = serving(random_model(device=TEST_DEVICE), 16, 300, fused_rows=16, prefill_chunk=64)
+    streams, new = occupy(engine, 15, 200)
+    plan = engine.scheduler.schedule()
+    assert plan.requests == streams and len(plan.rides) == 15
+    assert plan.chunk_requests == [new] and [(len(t), s) for t, s, *_ in plan.chunks] == [(64, 0)]
     new.fed = 199  # its last token
-    plan = engine._plan()
-    assert not plan.prefill and [(r, len(ids), s) for r, ids, s in plan.fused] == [(15, 1, 199)]
+    plan = engine.scheduler.schedule()
+    assert not plan.chunks and prompt_rides(plan, new) == [199] and plan.wants[-1] == len(plan.rides) - 1
 
 
 def test_prefix_reuse():
-    """A request that shares a finished request's beginning prefills only the rest, with the
-    same output as a cold run; the least recently used free slot is taken otherwise."""
+    """A request that shares a finished request's beginning finds its full blocks in the prefix
+    cache (its output's too) and prefills only the rest, with the same output as a cold run; a
+    request with nothing in common takes fresh blocks first, leaving the cached ones cached."""
     model = random_model(device=TEST_DEVICE)
-    base = prompts(1, seed=2)[0] + list(range(30))
-    engine = BatchEngine(model, max_batch_size=2, max_seq_length=128)
+    base = prompts(1, seed=2)[0] + list(range(40))
+    engine = serving(model, 2, 128)
+    bs = engine.blocks.block_size
     first = Request(base, 6)
     run_all(engine, {0: [first]})
     assert first.cached_tokens == 0
+    fed = len(base) + len(first.out) - 1  # the last sampled token was never fed
+    other = Request(prompts(1, seed=9)[0], 6)  # nothing in common: fresh blocks, not the cached ones
+    run_all(engine, {0: [other]})
+    assert other.cached_tokens == 0 and not set(other.blocks) & set(first.blocks[:fed // bs])
     follow = base + first.out + [7, 8, 9]  # a second turn: the conversation so far, then more
     second = Request(follow, 6)
     run_all(engine, {0: [second]})
-    assert second.slot == first.slot
-    assert second.cached_tokens == len(base) + len(first.out) - 1  # the last sampled token was never fed
+    assert second.cached_tokens == fed // bs * bs > len(base)  # every full block, output included
+    assert second.blocks[:fed // bs] == first.blocks[:fed // bs]  # the very blocks the first one wrote
     assert second.out == alone(model, follow, 6)
-    assert engine.counters["cached_tokens"] == second.cached_tokens
-    same = Request(list(base), 6)  # the whole prompt cached: its last token is fed again
+    assert engine.counters["cached_tokens"] == engine.counters["prefix_hits"] == second.cached_tokens
+    assert engine.counters["prefilled_tokens"] == len(base) + len(other.prompt) + len(follow) - second.cached_tokens
+    same = Request(list(base), 6)  # the whole prompt cached: its last token (and block) is fed again
     run_all(engine, {0: [same]})
-    assert same.cached_tokens == len(base) - 1 and same.out == first.out
+    assert same.cached_tokens == (len(base) - 1) // bs * bs >= len(base) - bs and same.out == first.out
 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_shared_beginning_computed_once(compiled):
     """Requests that arrive together with one long beginning (a system prompt) compute it once:
-    the others wait for it and copy its keys and values into their own rows; a request that
-    arrives while the first one decodes copies from that busy row. Each one's greedy tokens are
-    its solo run's, and the copied tokens count as cached."""
+    the others wait for its blocks (scheduler.waits_for_others) and find them in the prefix cache;
+    a request that arrives while the first one decodes finds the blocks that request still holds.
+    Each one's greedy tokens are its solo run's, and the shared tokens count as cached."""
     model = random_model(device=TEST_DEVICE)
     system = prompts(1, seed=5)[0] + list(range(40, 80))
     ps = [system + [200 + i] + list(range(i, i + 5)) for i in range(4)]
     want = [alone(model, p, 8) for p in ps]
-    engine = BatchEngine(kernels.install(copy.deepcopy(model)), max_batch_size=4, max_seq_length=128,
-                         compile=compiled, prefill_chunk=16)
+    # chunks of up to 256 tokens (for_serving's): room for every prompt in one step, so that only
+    # waiting keeps the others from computing the system prompt too
+    engine = serving(kernels.install(copy.deepcopy(model)), 4, 128, compile=compiled)
     reqs = [Request(p, 8) for p in ps]
-    copies = []
-    plan = engine._plan
-    engine._plan = lambda: (p := plan(), copies.extend(p.copies))[0]
+    shared = len(system) // engine.blocks.block_size  # the system prompt's full blocks
+    fed = collections.Counter()  # position -> times its keys were computed, for the system prompt's blocks
+    busy = []  # when the fourth request joined: whether a running request held the blocks it found
+    schedule = engine.scheduler.schedule
+
+    def watch():
+        plan = schedule()
+        for pos in [pos for _, pos, _ in plan.rides] + [p for t, s, *_ in plan.chunks for p in range(s, s + len(t))]:
+            if pos < shared * engine.blocks.block_size:
+                fed[pos] += 1
+        if reqs[3] in engine.scheduler.running and not busy:
+            busy.append(min(engine.blocks.refs[b] for b in reqs[3].blocks[:shared]) > 1)
+        return plan
+
+    engine.scheduler.schedule = watch
     run_all(engine, {0: reqs[:3], 6: reqs[3:]})
     assert [r.out for r in reqs] == want
-    assert [r.cached_tokens for r in reqs] == [0] + [len(system)] * 3
-    assert engine.counters["prefilled_tokens"] == sum(len(p) for p in ps) - 3 * len(system)
-    assert engine.counters["cached_tokens"] == 3 * len(system)
-    assert len(copies) == 3 and all(c[2:] == (0, len(system)) for c in copies), copies
-    assert reqs[3].slot not in {r.slot for r in reqs[:3]}  # the fourth copied from a busy row
+    cached = shared * engine.blocks.block_size
+    assert cached >= len(system) - engine.blocks.block_size
+    assert [r.cached_tokens for r in reqs] == [0] + [cached] * 3
+    assert all(r.blocks[:shared] == reqs[0].blocks[:shared] for r in reqs[1:])  # one copy of the blocks
+    assert set(fed.values()) == {1} and len(fed) == cached, fed  # each position of them computed once
+    assert engine.counters["prefilled_tokens"] == sum(len(p) for p in ps) - 3 * cached
+    assert engine.counters["cached_tokens"] == engine.counters["prefix_hits"] == 3 * cached
+    assert busy == [True]  # the fourth found blocks that a running request held
 
 
 def test_sampling_per_request():
@@ -260,7 +299,7 @@ def test_sampling_per_request():
     def seeded():
         return Request(p[0], 10, hot, seed=1234)
 
-    engine = BatchEngine(model, max_batch_size=3, max_seq_length=128)
+    engine = serving(model, 3, 128)
     a = seeded()
     run_all(engine, {0: [a]})
     b, greedy, other = seeded(), Request(p[1], 10), Request(p[2], 10, hot)
@@ -290,24 +329,25 @@ def test_sample_rows():
 def test_stop_cancel_and_faults():
     model = random_model(device=TEST_DEVICE)
     p = prompts(4, seed=4)
-    engine = BatchEngine(model, max_batch_size=2, max_seq_length=80, max_waiting=2)
+    engine = serving(model, 2, 80, max_waiting=2)
     want = alone(model, p[0], 8)
     stopper = Request(p[0], 8, stop_ids=frozenset([want[3]]))
     broken = Request(p[1], 8, on_token=lambda r, t: 1 / 0 if len(r.out) == 2 else False)
     run_all(engine, {0: [stopper, broken]})
     assert stopper.out == want[:want.index(want[3]) + 1] and stopper.finish_reason == "stop"
     assert broken.finish_reason == "error" and "ZeroDivisionError" in broken.error and len(broken.out) == 2
-    # a cancelled request frees its slot at the next step; one waiting is admitted at once
+    # a cancelled request frees its row and blocks at the next step; one waiting is admitted at once
     long1, long2, queued = Request(p[2], 20), Request(p[3], 20), Request(p[0], 4)
     for r in (long1, long2):
         engine.submit(r)
     engine.step()
     engine.submit(queued)
     engine.step()
-    assert queued.slot is None
+    assert engine.scheduler.running == [long1, long2] and list(engine.scheduler.waiting) == [queued]
     engine.cancel(long1)
     engine.step()
-    assert long1.finish_reason == "cancelled" and queued.slot == long1.slot
+    assert long1.finish_reason == "cancelled" and engine.scheduler.running == [long2, queued]
+    assert engine.counts() == (2, 0) and all(engine.blocks.refs[b] == int(b in queued.blocks) for b in long1.blocks)
     # the queue is bounded; requests that can never fit are refused
     engine.submit(Request(p[0], 4))
     engine.submit(Request(p[0], 4))
@@ -322,7 +362,7 @@ def test_stop_cancel_and_faults():
 def test_forward_fault_ends_its_requests():
     """An exception in a step's forward pass ends the requests in it; the engine goes on."""
     model = random_model(device=TEST_DEVICE)
-    engine = BatchEngine(model, max_batch_size=2, max_seq_length=64)
+    engine = serving(model, 2, 64)
     a = Request(prompts(1)[0], 6)
     engine.submit(a)
     real = engine.run

@@ -216,8 +216,7 @@ def test_constrained_greedy_matches_engine(client, smollm2_dir, tokenizer):
     r = chat(client, SCHEMA_PROMPT, max_tokens=40,
              response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
     model = load_model(smollm2_dir)
-    engine = Engine(model)
-    engine.setup(1, 512)
+    engine = Engine(model, 1, 512)
     grammars = Grammars(smollm2_dir, model.args.vocab_size, tokenizer.eos_ids)
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": SCHEMA_PROMPT}]), add_bos=False)
     (out,), stats = engine.generate([ids], 40, Sampling(), tokenizer.eos_ids,

@@ -1,4 +1,5 @@
-"""Constrained decoding (grammar.py) and the sampling controls, in Engine and BatchEngine."""
+"""Constrained decoding (grammar.py) and the sampling controls, in Engine.generate (generate.py's
+way) and in the serving engine (Engine.for_serving, stepped request by request as serve.py does)."""
 import json
 import math
 import re
@@ -8,11 +9,12 @@ import pytest
 import torch
 
 from conftest import run_script
-from engine import BatchEngine, Engine, Request
+from engine import Engine
 from errors import UserError
 from grammar import Grammars, unpack_mask, unpack_mask_on_host
 from loading import load_model
 from sampling import Sampling, adjust_logits, check_sampling, logits_to_probs, sample_rows
+from scheduler import Request
 from tokenizer import StopStrings, Tokenizer
 
 S = {"type": "string", "maxLength": 12}
@@ -60,8 +62,7 @@ def chat(tok, text):
 def sampled(smol, prompt, grammar, n, max_new_tokens):
     """n outputs sampled at temperature 1, in one batch, each row with its own matcher."""
     model, tok, grammars = smol
-    engine = Engine(model)
-    engine.setup(n, len(prompt) + max_new_tokens)
+    engine = Engine(model, n, len(prompt) + max_new_tokens)
     torch.manual_seed(0)
     outs, stats = engine.generate([prompt] * n, max_new_tokens, Sampling(temperature=1.0), tok.eos_ids,
                                   constraints=[grammars.constraint(grammar) for _ in range(n)])
@@ -99,23 +100,22 @@ def test_json_object_and_lark_grammar(smol):
 
 def greedy(smol, prompt, n, constraint=None, jump=True, batch=False, **kw):
     model, tok, _ = smol
-    if batch:  # the continuous-batching engine
-        engine = BatchEngine(model, 2, 512)
+    if batch:  # the serving engine, stepped as serve.py steps it
+        engine = Engine.for_serving(model, 2, 512)
         engine.jump_forward = jump
         req = Request(prompt, n, Sampling(), stop_ids=frozenset(tok.eos_ids), constraint=constraint, **kw)
         engine.submit(req)
         while engine.has_work():
             engine.step()
         return req.out
-    engine = Engine(model)
-    engine.jump_forward = jump
-    engine.setup(1, 512)
+    engine = Engine(model, 1, 512)
+    engine.jump_forward = jump  # (after sizing the engine: setup() starts a new scheduler)
     (out,), _ = engine.generate([prompt], n, Sampling(), tok.eos_ids, constraints=[constraint] if constraint else None,
                                 host=True)
     return out
 
 
-@pytest.mark.parametrize("batch", [False, True], ids=["engine", "batch_engine"])
+@pytest.mark.parametrize("batch", [False, True], ids=["generate", "serving"])
 def test_constraint_that_allows_the_greedy_text_changes_nothing(smol, batch):
     model, tok, grammars = smol
     prompt = chat(tok, "Name three fruits.")
@@ -128,7 +128,7 @@ def test_constraint_that_allows_the_greedy_text_changes_nothing(smol, batch):
     assert constrained == free[:len(constrained)] and tok.decode(constrained) == text
 
 
-@pytest.mark.parametrize("batch", [False, True], ids=["engine", "batch_engine"])
+@pytest.mark.parametrize("batch", [False, True], ids=["generate", "serving"])
 def test_forced_token_chunks_equal_stepping(smol, batch):
     model, tok, grammars = smol
     for schema, ask in [(SCHEMAS[0], "A person as JSON."), (SCHEMAS[4], "A user record as JSON."),
@@ -145,7 +145,7 @@ def test_grammar_cut_off_by_max_tokens_ends_with_length(smol):
     model, tok, grammars = smol
     req = Request(chat(tok, "A person."), 4, Sampling(), stop_ids=frozenset(tok.eos_ids),
                   constraint=grammars.constraint(grammars.compile("json_schema", SCHEMAS[0])))
-    engine = BatchEngine(model, 1, 256)
+    engine = Engine.for_serving(model, 1, 256)
     engine.submit(req)
     while engine.has_work():
         engine.step()
@@ -155,7 +155,7 @@ def test_grammar_cut_off_by_max_tokens_ends_with_length(smol):
 def test_each_row_has_its_own_constraint_in_one_step(smol):
     model, tok, grammars = smol
     prompt = chat(tok, "Reply.")
-    engine = BatchEngine(model, 3, 256)
+    engine = Engine.for_serving(model, 3, 256)
     reqs = [Request(prompt, 24, Sampling(), stop_ids=frozenset(tok.eos_ids), constraint=c) for c in
             [grammars.constraint(grammars.compile("regex", r"\d{4}")), None,
              grammars.constraint(grammars.compile("regex", "(alpha|beta)"))]]
@@ -198,7 +198,7 @@ def test_penalties_and_logit_bias_against_direct_computation():
     want[2, 9] += 4.0
     want[2, 0] -= 100.0
     torch.testing.assert_close(got, want)
-    assert adjust_logits(logits, [Request([1], 8)] * 3) is logits  # nothing to adjust: untouched
+    assert adjust_logits(logits, [Request([1], 8, Sampling())] * 3) is logits  # nothing to adjust: untouched
 
 
 def test_min_p_keeps_tokens_at_least_min_p_of_the_top():
@@ -221,8 +221,7 @@ def test_sampling_settings_out_of_range_are_user_errors():
 def test_logprobs_are_the_models_log_softmax(smol):
     model, tok, _ = smol
     prompt = tok.encode("The capital of France is")
-    engine = Engine(model)
-    engine.setup(1, 64)
+    engine = Engine(model, 1, 64)
     (out,), stats = engine.generate([prompt], 6, Sampling(), logprobs=3)
     ids = torch.tensor([prompt + out])
     with torch.inference_mode():
@@ -238,8 +237,7 @@ def test_logprobs_are_the_models_log_softmax(smol):
 def test_repetition_penalty_changes_a_repetitive_greedy_output(smol):
     model, tok, _ = smol
     prompt = tok.encode("1, 2, 3, 1, 2, 3, 1, 2, 3,")
-    engine = Engine(model)
-    engine.setup(1, 128)
+    engine = Engine(model, 1, 128)
     (plain,), _ = engine.generate([prompt], 12, Sampling())
     (penalized,), _ = engine.generate([prompt], 12, Sampling(repetition_penalty=3.0))
     assert plain != penalized
@@ -301,9 +299,8 @@ def test_mask_in_the_step_equals_masking_on_the_host(smol, compiled):
     code = grammars.compile("regex", r"[A-Z]{3}-[0-9]{3}")
     outs = {}
     for host in (False, True):
-        engine = Engine(model, compile=compiled and not host)
+        engine = Engine(model, 3, max(map(len, prompts)) + 40, compile=compiled and not host)
         engine.jump_forward = False
-        engine.setup(3, max(map(len, prompts)) + 40)
         constraints = [grammars.constraint(schema), None, grammars.constraint(code)]
         outs[host], _ = engine.generate(prompts, 40, Sampling(), tok.eos_ids, constraints=constraints, host=host)
     assert outs[False] == outs[True]
