@@ -471,17 +471,36 @@ class Engine:
             self.generate(prompts, steps, sampling, host=host)
         if (host or constrained) and len(prompts) == 1:  # the chunks of forced tokens
             self.warm_up_chunks(3)
+        if constrained and self.sample_in_step and not host and not sampling.adjusts:
+            self.warm_up_mask(len(prompts), sampling)
         self.forget_prefixes()
         log(f"compiled in {time.perf_counter() - start:.1f} s")
 
+    def chunk_plans(self, longest: int) -> list:
+        """Steps that run the graph of a few tokens after cached ones (a verify, a grammar's forced
+        tokens, a prompt's tail after a prefix hit) in the shapes that compile apart: one token or
+        more, a block table of one block or more (a dynamic graph specializes sizes of 1), up to
+        longest tokens. Nothing is kept (the scratch block)."""
+        plans = []
+        for T, pos in ((longest, 3), (2, 20), (3, 5), (1, 9), (1, 40)):
+            pos = max(1, min(pos, self.max_seq_length - T))
+            plans.append(StepPlan(chunks=[([0] * T, pos, ([], []), True)]))
+        return plans
+
     def warm_up_chunks(self, longest: int):
-        """Run the graph of a few tokens after cached ones (a verify, a grammar's forced tokens) in
-        the shapes that compile apart: one token or more, a block table of one block or more (a
-        dynamic graph specializes sizes of 1), up to longest tokens. Nothing is kept (the scratch block)."""
         with torch.inference_mode():
-            for T, pos in ((longest, 3), (2, 20), (3, 5), (1, 9), (1, 40)):
-                pos = max(1, min(pos, self.max_seq_length - T))
-                self.run_chunk([0] * T, pos, ([], []), every=True)
+            for plan in self.chunk_plans(longest):
+                self.run(plan)
+
+    def warm_up_mask(self, rows: int, sampling: Sampling):
+        """The step that applies a grammar's mask, at two cache lengths of more than one block (so
+        that it compiles general in them), every token allowed, on the scratch block."""
+        mask = token_masks([None] * rows, self.model.args.vocab_size).to(self.device)
+        with torch.inference_mode():
+            for pos in (2 * self.block_size, 3 * self.block_size):
+                plan = StepPlan(rides=[(0, min(pos, self.max_seq_length - 1), ([], []))] * rows,
+                                wants=list(range(rows)), sampling=sampling, mask=mask)
+                self.run(plan)
 
     def metrics(self, stats: "Stats") -> dict:
         return decode_metrics(stats, self.model, self.device)

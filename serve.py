@@ -168,7 +168,7 @@ def warm_up(engine: Engine):
 
     def step(decoding: int, prompt: int, pos: int) -> StepPlan:
         """decoding rows that want logits, and a prompt's rows beside them (its last one wants its logits)."""
-        rides = [(0, pos, [])] * (decoding + prompt)  # no blocks: every row reads and writes the scratch block
+        rides = [(0, pos, ([], []))] * (decoding + prompt)  # no blocks: every row reads and writes the scratch block
         return StepPlan(rides=rides, wants=list(range(decoding)) + ([len(rides) - 1] if prompt else []))
 
     if engine.pad_rows:
@@ -186,6 +186,7 @@ def warm_up(engine: Engine):
             plans.append(step(wide, 0, pos))
         if B >= wide:  # many rows and many logits: as many streams
             plans.append(step(wide, 2 if fused >= wide + 2 else 0, pos))
+    plans += engine.chunk_plans(kernels.MAX_TOKENS)  # a prompt's few tokens after cached blocks
     with torch.inference_mode():
         for plan in plans:
             if engine.broadcast is not None:

@@ -141,7 +141,8 @@ def test_padded_rows_compile_once_and_change_no_token():
     engine = serving(kernels.install(copy.deepcopy(model)), 5, 200, compile=True, prefill_chunk=16, pad_rows=True)
     widths = []  # the rows of each compiled call
     rides = engine.rides
-    engine.rides = lambda model, tokens, *args: (widths.append(len(tokens)), rides(model, tokens, *args))[1]
+    engine.rides = lambda model, tokens, *args, **views: (widths.append(len(tokens)),
+                                                          rides(model, tokens, *args, **views))[1]
     torch._dynamo.reset()
     serve.warm_up(engine)
     assert widths == [2] * 4 + [4] * 4 + [8] * 4  # (rows 2, 4, 8) x (cache lengths 128, 200) x 2
