@@ -27,11 +27,12 @@ import kernels
 from blocks import BlockManager
 from compile import compile_step, guards_skipped, tag_compile_cache
 from errors import UserError
-from grammar import token_masks, unpack_mask
+from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides
+from grammar import token_masks
 from memory import Need, check_memory, kv_cache_bytes
-from model import ForwardBatch, Transformer, param_bytes
+from model import Transformer, param_bytes
 from rope import recompute_position
-from sampling import Sampling, pick_tokens, sample
+from sampling import Sampling, pick_tokens
 from scheduler import Request, Scheduler, StepPlan
 
 BLOCK_SIZE = 16  # tokens a block: the unit of prefix sharing and of allocation (docs/design.md)
@@ -40,48 +41,6 @@ ONE_SEQUENCE = "speculative decoding runs one sequence at a time: use a single p
 
 def log(*args):
     print(*args, file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------- the forwards a step runs
-
-def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
-                  logit_rows: Tensor, sampling: Optional[Sampling] = None, mask: Optional[Tensor] = None,
-                  **views) -> Tensor:
-    """One token a row (W, 1) at its position (W, 1), reading its keys up to kv_len through its block
-    table (views: ForwardBatch's slots and block_table, and a mixed model's window_slots and
-    window_table): the logits (L, V) of rows logit_rows (L,), or with sampling their next tokens
-    (L, 1); mask (L, ceil(V / 32)): the tokens a grammar allows."""
-    batch = ForwardBatch(positions, block_size=block_size, kv_len=kv_len, logit_rows=logit_rows, **views)
-    logits = model(tokens, batch)[:, -1]  # (L, V)
-    if mask is not None:
-        logits = logits.masked_fill(~unpack_mask(mask, logits.shape[-1]), float("-inf"))
-    return logits if sampling is None else sample(logits, sampling)
-
-
-def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
-                  fresh: bool, last: Optional[Tensor], **views) -> Tensor:
-    """Chunks of B sequences (B, T), a shorter one padded at its end: the logits of each one's last
-    token (B, 1, V) (last (B, 1): where that is), or of every token (B, T, V). fresh: nothing is
-    cached before them; views as forward_rides'."""
-    batch = ForwardBatch(positions, block_size=block_size, kv_len=kv_len, last=last, fresh=fresh, **views)
-    return model(tokens, batch)
-
-
-def bucket(n: int, limit: int, smallest: int = 128) -> int:
-    """n rounded up to a power of two (at least `smallest`, at most `limit`): the cache length a
-    step attends over, so that a few compiled graphs serve every length."""
-    b = smallest
-    while b < n:
-        b *= 2
-    return min(b, limit)
-
-
-def buckets(limit: int, smallest: int = 128) -> list:
-    """Every cache length bucket() gives for lengths up to limit."""
-    out = [min(smallest, limit)]
-    while out[-1] < limit:
-        out.append(min(2 * out[-1], limit))
-    return out
 
 
 # ---------------------------------------------------------------- the engine
@@ -132,6 +91,9 @@ class Engine:
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
         self.wakeup = threading.Event()  # set by submit and cancel
         self.steps, self.last_shape = 0, None
+        # tensor-parallel ranks each build every step's inputs from the plan, never from their own tokens
+        self.continues = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        self.lookahead = self.device.type == "cuda" and self.continues  # launch the next step before reading this one's tokens
 
     @classmethod
     def for_serving(cls, model: Transformer, max_batch_size: int, max_seq_length: int, **options) -> "Engine":
@@ -165,7 +127,7 @@ class Engine:
         prefix_caching = prefix_caching and recompute_position(args) is None and not any(sliding)
         self.blocks = BlockManager(num_blocks, bs, prefix_caching)
         self.blocks.store = self.store
-        self.scratch, self.window_blocks, window_slots = num_blocks, None, None
+        self.window_blocks, window_slots = None, None
         if any(sliding) and not all(sliding):
             per_request = min(-(-(args.sliding_window + self.chunk_tokens()) // bs), -(-self.max_seq_length // bs)) + 1
             self.window_blocks = BlockManager(self.max_batch_size * per_request, bs, prefix_caching=False)
@@ -180,6 +142,8 @@ class Engine:
         check_memory([Need("the KV cache", need, "lower the batch size or the sequence length",
                            f" for {num_blocks * bs} tokens")], self.device)
         self.model.setup_caches(1, self.max_seq_length, num_slots=slots, window_slots=window_slots)
+        self.feeder = Feeder(bs, self.device, num_blocks, self.window_blocks.num_blocks if window_slots else None)
+        self.last_rides = self.last_out = self.ahead = None
 
     # ---- from any thread
 
@@ -255,8 +219,27 @@ class Engine:
             for req in set(plan.requests + plan.chunk_requests):
                 self.scheduler.finish(req, "error", f"{type(e).__name__}: {e}")
             return True
+        self.run_ahead(plan)
         self.postprocess(plan, *out)
         return True
+
+    def run_ahead(self, plan: StepPlan):
+        """With lookahead (CUDA), launch the next step before this one's tokens are read back, where
+        it will be the same rows one position further: nothing waits, every row sampled in the step,
+        none at its last token or needing a block it lacks. The GPU runs it while the host hands
+        tokens out; a plan that turns out otherwise drops it (the keys it wrote are its rows' own)."""
+        s, bs = self.scheduler, self.block_size
+        if not self.lookahead or self.last_out is None or s.waiting or len(s.running) != len(plan.rides) \
+                or self.window_blocks is not None or recompute_position(self.model.args) is not None:
+            return
+        for req, (_, pos, _) in zip(plan.requests, plan.rides):
+            if len(req.out) + 2 > req.max_new_tokens or (pos + 1) // bs >= len(req.blocks):
+                return
+        last = self.last_rides
+        if self.kv_buckets and bucket(max(last.positions) + 2, self.max_seq_length) != last.kv_len:
+            return
+        batch = self.feeder.next_rides(last, self.last_out.view(-1, 1), last.tables)
+        self.ahead = (batch, self.call_rides(batch, plan.sampling, None))
 
     def sampling_for(self, plan: StepPlan):
         """Where the rides' wanted rows all sample alike, with nothing that needs the host (penalties,
@@ -276,6 +259,8 @@ class Engine:
         logits (L, V) or, when the plan samples in the step, their tokens (L, 1); and each chunk's
         last logits (V,) (every token's (T, V) for a chunk marked so)."""
         out = self.run_rides(plan) if plan.rides else None
+        if not plan.rides:
+            self.last_out = None
         every = [i for i, chunk in enumerate(plan.chunks) if len(chunk) > 3 and chunk[3]]
         prompts = [chunk for i, chunk in enumerate(plan.chunks) if i not in every]
         logits = iter(self.run_prompts(prompts) if prompts else [])
@@ -291,55 +276,55 @@ class Engine:
         T, device = max(len(tokens) for tokens, *_ in chunks), self.device
         rows = [(tokens + [0] * (T - len(tokens)), start, tables) for tokens, start, tables, *_ in chunks]
         kv_len = max(start for _, start, _ in rows) + T
-        views = self.batch_views(rows, self.blocks.blocks_for(kv_len))
+        views = self.feeder.views(rows, self.blocks.blocks_for(kv_len))
         last = torch.tensor([[len(tokens) - 1] for tokens, *_ in chunks], device=device)
         positions = torch.tensor([[start + t for t in range(T)] for _, start, _ in rows], device=device)
         logits = self.long_chunk(self.model, torch.tensor([tokens for tokens, _, _ in rows], device=device), positions,
                                  self.block_size, kv_len, all(start == 0 for _, start, _ in rows), last, **views)
         return logits[:, -1]
 
-    def tables_and_slots(self, rows: list, n: int, group: int) -> tuple:
-        """The block tables (R, n) and the slots of the tokens (R, T) of rows (tokens, start,
-        tables); released or missing blocks and padding read and write the group's scratch block."""
-        bs = self.block_size
-        scratch = self.scratch if group == 0 else self.window_blocks.num_blocks
-        tables = [[b if b >= 0 else scratch for b in t[group][:n]] + [scratch] * (n - len(t[group][:n]))
-                  for _, _, t in rows]
-        slots = [[table[p // bs] * bs + p % bs if p // bs < len(table) else scratch * bs
-                  for p in range(start, start + len(tokens))] for (tokens, start, _), table in zip(rows, tables)]
-        return torch.tensor(tables, device=self.device), torch.tensor(slots, device=self.device)
-
-    def batch_views(self, rows: list, n: int) -> dict:
-        """ForwardBatch's block_table and slots, and a mixed model's window_table and window_slots."""
-        table, slots = self.tables_and_slots(rows, n, 0)
-        out = dict(block_table=table, slots=slots)
-        if self.window_blocks is not None:
-            out["window_table"], out["window_slots"] = self.tables_and_slots(rows, n, 1)
-        return out
-
     def run_rides(self, plan: StepPlan) -> Tensor:
-        rides, bs, device = plan.rides, self.block_size, self.device
-        width = self.step_width(len(rides))
-        rows = [([t], pos, tables) for t, pos, tables in rides] + [([0], 0, ([], []))] * (width - len(rides))
+        """The one-token rows, padded to the step's width; a step of the same requests as the last
+        one, one position further, sampling in the step, continues from it on the device."""
+        rides, width = plan.rides, self.step_width(len(plan.rides))
         longest = max(pos for _, pos, _ in rides) + 1
         kv_len = bucket(longest, self.max_seq_length) if self.kv_buckets else self.max_seq_length
-        views = self.batch_views(rows, -(-kv_len // bs))
         wants = plan.wants + [0] * ((width if self.pad_rows else self.min_rows) - len(plan.wants))
-        mask = getattr(plan, "mask", None)
+        sampling, mask = plan.sampling, plan.mask
         if mask is not None and len(wants) > mask.shape[0]:  # padding rows allow every token
             mask = torch.cat([mask, mask.new_full((len(wants) - mask.shape[0], mask.shape[1]), -1)])
-        sampling = getattr(plan, "sampling", None)
+        positions = [pos for _, pos, _ in rides]
+        ahead, self.ahead = self.ahead, None
+        if (ahead is not None and ahead[0].requests == plan.requests and sampling is not None and mask is None
+                and ahead[0].positions[:len(rides)] == positions and ahead[0].kv_len == kv_len):
+            self.last_rides, self.last_out = ahead
+            return self.last_out
+        if self.last_out is not None and self.feeder.continues(self.last_rides, plan.requests, positions, kv_len):
+            batch = self.feeder.next_rides(self.last_rides, self.last_out.view(-1, 1), [t for _, _, t in rides])
+        else:
+            rows = rides + [(0, 0, ([], []))] * (width - len(rides))
+            batch = self.feeder.rides(rows, plan.requests, wants, kv_len)
+        out = self.call_rides(batch, sampling, mask)
+        # what the next step may continue from: tokens sampled here, one for every row
+        follows = sampling is not None and mask is None and len(plan.wants) == len(rides) and len(wants) == width
+        self.last_rides, self.last_out = batch, (out if follows and self.continues else None)
+        return out
+
+    def call_rides(self, batch: Rides, sampling: Optional[Sampling], mask: Optional[Tensor]) -> Tensor:
         # a step of the same shapes as the last one runs the graph that one checked its guards for
-        shape = (width, kv_len, len(wants), sampling, None if mask is None else mask.shape)
+        inputs = batch.inputs
+        shape = (inputs["tokens"].shape[0], batch.kv_len, inputs["logit_rows"].shape[0], sampling,
+                 None if mask is None else mask.shape)
         same, self.last_shape = shape == self.last_shape, shape
         with guards_skipped(same):
-            return self.rides(self.model, torch.tensor([t for t, _, _ in rows], device=device),
-                              torch.tensor([[p] for _, p, _ in rows], device=device), bs, kv_len,
-                              torch.tensor(wants, device=device), sampling, mask, **views)
+            out = self.rides(self.model, inputs["tokens"], inputs["positions"], self.block_size, batch.kv_len,
+                             inputs["logit_rows"], sampling, mask,
+                             **{k: v for k, v in inputs.items() if k not in ("tokens", "positions", "logit_rows")})
+        return out.clone() if self.lookahead else out  # a CUDA graph's next replay overwrites its output
 
     def run_chunk(self, tokens: list, start: int, tables: tuple, every: bool = False) -> Tensor:
         T, device = len(tokens), self.device
-        views = self.batch_views([(tokens, start, tables)], self.blocks.blocks_for(start + T))
+        views = self.feeder.views([(tokens, start, tables)], self.blocks.blocks_for(start + T))
         # a few tokens after cached ones (a verify, what a grammar forced): one graph for any count,
         # every token's logits; a prompt: eager (or compiled with compile_prefill), the last one's
         short = T <= kernels.MAX_TOKENS and start > 0

@@ -29,6 +29,7 @@ import torch
 
 import checkpoint
 import shapes
+import proposers
 import speculative
 from checkpoint import write_json
 from compile import COMPILE_MODES
@@ -476,13 +477,13 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
         open_store(args.prompt_cache, args.checkpoint, model, engine, tp.rank if tp is not None else 0,
                    int(args.prompt_cache_gb * 2 ** 30))
     if args.ngram is not None:
-        proposer = speculative.NgramProposer(args.ngram)
+        proposer = proposers.NgramProposer(args.ngram)
     elif args.draft_checkpoint:  # under torchrun every rank holds the whole (small) draft
         draft = load(tp, args.draft_checkpoint, device, draft_dtype, shard=False)
         size = param_bytes(draft, tokens=draft.args.n_experts or 1)
         log(f"loaded draft {args.draft_checkpoint} ({size / 1e6:.0f} MB of weights "
             f"in {args.draft_dtype or args.dtype})")
-        proposer = speculative.DraftProposer(draft, compile=args.compile, compile_mode=args.compile_mode)
+        proposer = proposers.DraftProposer(draft, compile=args.compile, compile_mode=args.compile_mode)
     else:
         return engine
     return speculative.SpeculativeEngine(engine, proposer, args.speculate_k, compile=args.compile,

@@ -40,7 +40,8 @@ import torch
 import checkpoint
 import kernels
 from compile import COMPILE_MODES
-from engine import BLOCK_SIZE, Engine, buckets, log
+from engine import BLOCK_SIZE, Engine, log
+from forwards import buckets
 from loading import check_vocabulary, load_model, meta_model, parse_device, parse_dtype, preflight
 from errors import UserError, run_cli
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes

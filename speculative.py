@@ -6,15 +6,7 @@ in one forward pass over k + 1 positions, and the output is exactly what the tar
     python generate.py --checkpoint checkpoints/smollm2-135m --ngram 3 --speculate_k 8 --chat \\
         --prompt "Fix the typo in this sentence: ..."
 
-Proposers:
-- `DraftProposer`: a smaller (or quantized) model with the same tokenizer, its own KV cache and
-  its own compiled one-token step; it drafts k tokens one at a time.
-- `NgramProposer` (prompt lookup): the last N tokens of prompt + output are looked up in
-  everything before them; the k tokens that followed their most recent earlier occurrence are the
-  proposal. With no match of N tokens, N - 1, ..., down to `min_n` are tried; with no match at
-  all, the round is a plain one-token decoding step of the target (no proposal, no verify).
-  A match near the end is continued by copying what it proposes itself (as LZ77 does), so
-  a repeating pattern still yields k tokens.
+Proposers (proposers.py): a draft model, or prompt lookup (n-grams).
 
 Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. d_k]:
 - greedy: accept the longest prefix of proposals equal to the target's argmax, then the
@@ -53,7 +45,6 @@ Batch size 1 only: rows of a batch accept different numbers of tokens; larger ba
 """
 import json
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -61,11 +52,11 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from compile import compile_step
 from engine import ONE_SEQUENCE, Engine, Stats, decode_metrics, log
 from errors import UserError
-from grammar import allow_tokens, apply_mask, unpack_mask_on_host
-from model import ForwardBatch, Transformer, param_bytes
+from grammar import apply_mask, unpack_mask_on_host
+from model import param_bytes
+from proposers import Proposer, common_prefix
 from rope import recompute_position
 from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample, sample_probs, token_logprobs
 from scheduler import Request
@@ -79,27 +70,6 @@ def target_picks(logits: Tensor, sampling: Sampling) -> Tensor:
     if sampling.temperature == 0:
         return logits.argmax(-1)
     return logits_to_probs(logits, sampling)
-
-
-def draft_chunk(model: Transformer, tokens: list, start: int):
-    """A draft's chunk (a prompt, the target's forced tokens) through its cache at start: its keys only."""
-    device = model.norm.weight.device
-    positions = torch.arange(start, start + len(tokens), device=device).view(1, -1)
-    batch = ForwardBatch.rows(positions, 1, model.max_seq_length, kv_len=start + len(tokens),
-                              last=torch.full((1, 1), len(tokens) - 1, device=device))
-    model(torch.tensor([tokens], device=device), batch)
-
-
-def draft_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, sampling: Optional[Sampling]):
-    """One draft decode step: (next id (1, 1), its distribution q (1, V), or None when greedy);
-    with sampling None its logits (1, V), which a grammar masks on the host."""
-    logits = model(cur, input_pos)[:, -1]  # (1, V)
-    if sampling is None:
-        return logits
-    if sampling.temperature == 0:
-        return logits.argmax(-1, keepdim=True), None
-    q = logits_to_probs(logits, sampling)
-    return sample_probs(q), q
 
 
 def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
@@ -128,6 +98,38 @@ def accept_sampled(p: Tensor, q: Tensor, drafts: list) -> tuple:
         return n, None
     dist = residual_distribution(p[n], q[n]) if n < m else p[n]  # all accepted: a bonus token from p
     return n, sample_probs(dist.unsqueeze(0)).item()
+
+
+def verify_on_host(x: Tensor, proposals: list, q: Optional[Tensor], sampling: Sampling) -> tuple:
+    """The target's picks x (m + bonus, V), adjusted and masked, against m proposals drawn from q
+    (m, V) (None: point masses): (proposals accepted, the target's own token after them or None)."""
+    m = len(proposals)
+    if sampling.temperature == 0:
+        target = x.argmax(-1).tolist()
+        n = 0
+        while n < m and proposals[n] == target[n]:
+            n += 1
+        return n, (target[n] if n < len(target) else None)
+    if not m:
+        return 0, sample_probs(logits_to_probs(x, sampling)).item()
+    if q is None:
+        q = torch.zeros(m, x.shape[-1], device=x.device).scatter_(
+            1, torch.tensor(proposals, device=x.device).view(-1, 1), 1.0)
+    return accept_sampled(logits_to_probs(x, sampling), q, proposals)
+
+
+def consume(row: Request, new: list, entries: list, jump: bool, budget: int) -> tuple:
+    """As Request.take: the row's grammar consumes the new tokens, then (jump) what it forces next."""
+    c = row.constraint
+    if not c.accept_all(new):
+        row.error = c.error() or "the grammar rejects the picked tokens"
+    elif jump and not c.done():
+        forced = c.forced()[:budget - len(new)]
+        if forced and not c.accept_all(forced):
+            row.error = c.error() or "the grammar rejects its own forced tokens"
+        else:
+            return new + forced, entries + [None] * len(forced)
+    return new, entries
 
 
 def build_block(drafts: list, constraint, masks: Optional[Tensor], stop: set, limit: int, jump: bool) -> tuple:
@@ -169,196 +171,6 @@ def build_block(drafts: list, constraint, masks: Optional[Tensor], stop: set, li
             c.fill_mask(masks[len(choices)])
         c.rollback(consumed)
     return block, choices, bonus
-
-
-def common_prefix(a: list, b: list) -> int:
-    lo, hi = 0, min(len(a), len(b))  # slices compare in C: a binary search over their length
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-# ---------------------------------------------------------------- proposers
-
-class Proposer(ABC):
-    """What SpeculativeEngine asks of a proposer. Each generate call: start(context) once, then
-    per round propose(context, k) (propose_on_host(context, k, sampling, constraint) when the
-    engine picks on the host) and accepted(n). context is every token so far, by position; its
-    last token (after a grammar's forced tokens, its last few) has not been through the target yet."""
-
-    name: str = "proposer"
-    model: Optional[Transformer] = None  # a proposer that runs a model names it (its bytes count as read)
-    forwards: int = 0  # model forwards so far
-
-    def setup(self, max_seq_length: int):
-        """Allocate what the proposer keeps per position (a draft's KV cache)."""
-
-    def warm_up(self, sampling: Sampling, host: bool = False):
-        """Run any compiled graph once before timing (host: the one that returns logits)."""
-
-    @abstractmethod
-    def start(self, context: list, sampling: Sampling):
-        """A new generate call over `context`."""
-
-    @abstractmethod
-    def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
-        """Up to k proposed ids, and their distributions q (m, V), or None for point masses or greedy."""
-
-    def propose_on_host(self, context: list, k: int, sampling: Sampling, constraint) -> tuple:
-        """As propose, for a round the engine picks on the host, under a grammar (`constraint`, a
-        grammar.Constraint left as it was, or None). Proposals drawn from distributions must be
-        drawn from them masked by the grammar, so that q is what they really came from; point masses
-        (this default) are proposed as usual, and the engine cuts them where the grammar objects."""
-        drafts, q = self.propose(context, k, sampling)
-        if q is not None and constraint is not None:
-            raise NotImplementedError(f"the {self.name} proposer cannot propose under a grammar")
-        return drafts, q
-
-    def accepted(self, n: int):
-        """The target kept the first n proposals of the last round."""
-
-
-class NgramProposer(Proposer):
-    """Prompt lookup: propose what followed the most recent earlier occurrence of the last n tokens
-    (n = max_n, then shorter, down to min_n). An index from each n-gram to where its most recent
-    occurrence's continuation starts is kept up to date as the context grows."""
-
-    name = "ngram"
-
-    def __init__(self, max_n: int, min_n: int = 1):
-        if not 1 <= min_n <= max_n:
-            raise UserError(f"n-gram sizes must satisfy 1 <= min_n <= max_n (got {min_n}, {max_n})")
-        self.max_n, self.min_n = max_n, min_n
-        self.start([])
-
-    def start(self, context: list, sampling: Optional[Sampling] = None):
-        self.index = {n: {} for n in range(self.min_n, self.max_n + 1)}  # n-gram -> continuation start
-        self.indexed = 0
-
-    def _extend_index(self, context: list):
-        for j in range(self.indexed, len(context)):  # j: a continuation start, so j <= len - 1
-            for n in self.index:
-                if j >= n:
-                    self.index[n][tuple(context[j - n:j])] = j
-        self.indexed = len(context)
-
-    def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
-        """Up to k proposed ids (none when nothing matches) and q = None (a point mass)."""
-        self._extend_index(context)
-        length = len(context)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = self.index[n].get(tuple(context[length - n:]))
-            if start is not None:
-                out = []
-                for i in range(k):  # past the end of the context, copy what we proposed (LZ77-style)
-                    out.append(context[start + i] if start + i < length else out[start + i - length])
-                return out, None
-        return [], None
-
-
-class DraftProposer(Proposer):
-    """A draft model with its own KV cache and compiled one-token step. `fed` lists the tokens
-    whose keys and values are in its cache, by position."""
-
-    name = "draft"
-
-    def __init__(self, model: Transformer, compile: bool = False, compile_mode: str = "default"):
-        self.model = model
-        self.device = model.norm.weight.device  # (a quantized embedding has no .weight)
-        self.step = draft_one_token
-        if compile:
-            self.step = compile_step(draft_one_token, model, compile_mode)
-        self.fed: list = []
-
-    def setup(self, max_seq_length: int):
-        if self.model.max_batch_size != 1 or self.model.max_seq_length != max_seq_length:
-            self.model.setup_caches(1, max_seq_length)
-            self.fed = []
-
-    def _one(self, token, pos: int, sampling: Sampling):
-        cur = token if isinstance(token, Tensor) else torch.tensor([[token]], device=self.device)
-        self.forwards += 1
-        # clone: under CUDA graphs the next replay overwrites the previous step's outputs
-        tok, q = self.step(self.model, cur, torch.tensor([pos], device=self.device), sampling)
-        return tok.clone(), (None if q is None else q.clone())
-
-    def _logits(self, token: int, pos: int) -> Tensor:
-        """The draft's logits (1, V) after `token` at cache slot pos."""
-        self.forwards += 1
-        return self.step(self.model, torch.tensor([[token]], device=self.device),
-                         torch.tensor([pos], device=self.device), None).clone()
-
-    def warm_up(self, sampling: Sampling, host: bool = False):
-        for _ in range(2):  # the compiled graph runs from the second call on
-            self._logits(0, 0) if host else self._one(0, 0, sampling)
-        self.fed = []  # slot 0 now holds garbage
-
-    def start(self, context: list, sampling: Sampling):
-        """Prefill the draft with context[:-1], reusing what its cache already holds (chat turns)."""
-        keep = min(common_prefix(self.fed, context), len(context) - 1)
-        del self.fed[keep:]
-        chunk = context[keep:-1]
-        if chunk:
-            draft_chunk(self.model, chunk, keep)
-            self.fed.extend(chunk)
-
-    def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
-        """k drafted ids and their distributions q (k, V) (None when greedy)."""
-        # catch up on what the draft has not seen: the target's last token, and after a fully
-        # accepted block also the last proposal, which the draft produced but never fed back
-        for token in context[len(self.fed):]:
-            tok, q = self._one(token, len(self.fed), sampling)
-            self.fed.append(token)
-        self.first_draft_slot = len(self.fed)
-        toks, qs = [tok], [q]
-        for i in range(k - 1):
-            tok, q = self._one(tok, self.first_draft_slot + i, sampling)
-            toks.append(tok)
-            qs.append(q)
-        drafts = torch.cat(toks).view(-1).tolist()
-        self.fed.extend(drafts[:-1])  # the last proposal was not fed
-        return drafts, (None if sampling.temperature == 0 else torch.cat(qs))
-
-    def propose_on_host(self, context: list, k: int, sampling: Sampling, constraint) -> tuple:
-        """Up to k ids drafted from the draft's logits masked by the grammar, and the distributions
-        they were drawn from (k, V) (None when greedy: masked argmax); up to where the grammar
-        completes. (Where it forces tokens the engine inserts its own, and skips these proposals.)"""
-        missing = context[len(self.fed):]  # the target's new tokens: a sampled one and any a grammar forced
-        if len(missing) > 1:  # all but the last as one chunk
-            self.forwards += 1
-            draft_chunk(self.model, missing[:-1], len(self.fed))
-            self.fed.extend(missing[:-1])
-        logits = self._logits(missing[-1], len(self.fed))
-        self.fed.append(missing[-1])
-        self.first_draft_slot = len(self.fed)
-        drafts, qs = [], []
-        for i in range(k):
-            if i:
-                logits = self._logits(drafts[-1], self.first_draft_slot + i - 1)
-            x = logits.float()
-            if constraint is not None:
-                x = allow_tokens(x, [constraint])
-            if sampling.temperature == 0:
-                drafts.append(x.argmax(-1).item())
-            else:
-                qs.append(logits_to_probs(x, sampling))
-                drafts.append(sample_probs(qs[-1]).item())
-            if constraint is not None:
-                constraint.accept(drafts[-1])
-                if constraint.done():
-                    break
-        if constraint is not None:
-            constraint.rollback(len(drafts))
-        self.fed.extend(drafts[:-1])  # the last proposal was not fed
-        return drafts, (torch.cat(qs) if qs else None)
-
-    def accepted(self, n: int):
-        """n of the last proposals were kept: forget the rest."""
-        del self.fed[self.first_draft_slot + n:]
 
 
 # ---------------------------------------------------------------- adaptive k
@@ -587,23 +399,7 @@ class SpeculativeEngine:
             x = adjust_logits(x, [replace(row, out=row.out + block[:j]) for j in picks])
         if c is not None:
             x = apply_mask(x, unpack_mask_on_host(masks[:len(picks)], V).to(device))
-        proposals = [block[j] for j in choices]
-        if sampling.temperature == 0:
-            target = x.argmax(-1).tolist()
-            n = 0
-            while n < m and proposals[n] == target[n]:
-                n += 1
-            token = target[n] if n < len(picks) else None
-        elif not m:
-            n, token = 0, sample_probs(logits_to_probs(x, sampling)).item()
-        else:
-            p = logits_to_probs(x, sampling)
-            if q is None:  # point masses
-                q = torch.zeros(m, V, device=device).scatter_(
-                    1, torch.tensor(proposals, device=device).view(-1, 1), 1.0)
-            else:
-                q = q[choices]
-            n, token = accept_sampled(p, q, proposals)
+        n, token = verify_on_host(x, [block[j] for j in choices], q if q is None else q[choices], sampling)
         kept = choices[n] if n < m else L  # block tokens before the first rejected proposal
         if m:
             stats.histogram[n] += 1
@@ -619,16 +415,8 @@ class SpeculativeEngine:
             for j, lp in zip(chosen, token_logprobs(logits[[u - 1 + j for j in chosen]], [new[j] for j in chosen],
                                                     [row.logprobs] * len(chosen))):
                 entries[j] = lp
-        if c is not None:  # as Request.take: consume, then what the grammar forces next
-            if not c.accept_all(new):
-                row.error = c.error() or "the grammar rejects the picked tokens"
-            elif jump and not c.done() and new[-1] not in stop:
-                forced = c.forced()[:budget - len(new)]
-                if forced and not c.accept_all(forced):
-                    row.error = c.error() or "the grammar rejects its own forced tokens"
-                else:
-                    new += forced
-                    entries += [None] * len(forced)
+        if c is not None:
+            new, entries = consume(row, new, entries, jump and new[-1] not in stop, budget)
         return new, entries, u + kept
 
     def metrics(self, stats: SpecStats) -> dict:

@@ -10,8 +10,8 @@
     python -m scripts.bench_kernels --what attend    # a batch step's attention and its read rate
 
 Run from the repository root. The model runs with kernels.py's CPU paths installed, as
-loading.load_model does, through the engine's forwards (engine.forward_chunk for a prompt,
-engine.forward_rides for a decode step) over a paged cache of BLOCK_SIZE-token blocks.
+loading.load_model does, through the engine's forwards (forwards.forward_chunk for a prompt,
+forwards.forward_rides for a decode step) over a paged cache of BLOCK_SIZE-token blocks.
 
 Every row of a table is timed in the same process, in interleaved rounds (median shown), so
 the ratios hold even when the machine drifts. Speeds of whole runs are scripts/bench.py's job.
@@ -31,7 +31,8 @@ import packing
 import qlayers
 import quantize as Q
 from checkpoint import write_json
-from engine import BLOCK_SIZE, bucket, forward_chunk, forward_rides
+from engine import BLOCK_SIZE
+from forwards import bucket, forward_chunk, forward_rides
 from loading import load_model
 from model import ModelArgs
 from sampling import Sampling

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+import proposers
 import speculative
 from engine import Engine
 from loading import DTYPES, load_model
@@ -153,9 +154,9 @@ def run_case(name: str, args) -> dict:
     engine = Engine(target, 1, max_seq_length, compile=args.compile)
     if case["draft"]:
         draft = load_model(CHECKPOINTS / case["draft"], dtype=DTYPES[args.draft_dtype])
-        proposer = speculative.DraftProposer(draft, compile=args.compile)
+        proposer = proposers.DraftProposer(draft, compile=args.compile)
     else:
-        proposer = speculative.NgramProposer(case["ngram"], args.ngram_min)
+        proposer = proposers.NgramProposer(case["ngram"], args.ngram_min)
     spec = speculative.SpeculativeEngine(engine, proposer, k, compile=args.compile)
     sampling = Sampling()
     start = time.perf_counter()

@@ -432,11 +432,12 @@ def test_mxfp4_experts_dequantize_as_transformers_does():
 def test_moe_speculative_greedy_is_token_identical(variant):
     """n-gram speculation verifies several tokens per forward (their slots gathered or grouped):
     greedy output equals plain decoding."""
+    import proposers
     import speculative
     model = tiny_moe(**variant)
     prompt = PROMPTS[2] * 2  # repeats: the n-gram proposer has something to propose
     plain = generate(Engine(copy.deepcopy(model)), [prompt], 24, 128)
-    spec = speculative.SpeculativeEngine(Engine(model, 1, 128), speculative.NgramProposer(2), 4)
+    spec = speculative.SpeculativeEngine(Engine(model, 1, 128), proposers.NgramProposer(2), 4)
     (out,), _ = spec.generate([prompt], 24, Sampling())
     assert out == plain[0]
 
@@ -540,6 +541,7 @@ def test_longrope_switch_in_serving_speculation_and_chat(phi3_switch):
     cross it with one line saying why; and the prefix cache is off for such a model (a cached
     block's keys may be rotated short), so a chat turn that continues the previous one past the
     switch is prefilled from position 0, and gives a fresh engine's tokens."""
+    import proposers
     import speculative
     from errors import UserError
     _, our_dir = phi3_switch
@@ -554,7 +556,7 @@ def test_longrope_switch_in_serving_speculation_and_chat(phi3_switch):
             break
         serving.step()
     assert [r.out for r in reqs] == alone
-    spec = speculative.SpeculativeEngine(Engine(model, 1, 64), speculative.NgramProposer(2), 4)
+    spec = speculative.SpeculativeEngine(Engine(model, 1, 64), proposers.NgramProposer(2), 4)
     with pytest.raises(UserError, match="LongRoPE") as e:
         spec.generate(PHI3_PROMPTS[:1], DECODE_STEPS, Sampling())
     assert "\n" not in str(e.value)

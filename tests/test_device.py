@@ -11,11 +11,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import compile as compile_
-import engine
+import forwards
 import loading
 import tp
 from conftest import ROOT, TEST_DEVICE, device_flags, random_model
 from engine import Engine
+from scheduler import Request
 from errors import UserError
 from model import CAUSAL_SDPA_MIN_TOKENS, ForwardBatch
 from sampling import Sampling
@@ -128,18 +129,26 @@ def test_cuda_step_shapes_and_sampling_on_the_device_give_the_same_tokens(compil
     assert len(free[0]) == 24 and free[0].index(stop) == 6
 
 
-def test_decode_positions_stay_on_the_device(monkeypatch):
-    """After the prefill, the loop sends nothing from the host: no torch.tensor per step."""
+def test_decode_steps_continue_on_the_device(monkeypatch):
+    """After the first decode step, a step of the same rows sends nothing from the host: its tokens
+    are the last step's sampled ones, its positions and slots computed on the device, its block
+    table written in place where a row took a block (no torch.tensor per step); and the text is
+    the one that steps built from the host give."""
     model = random_model(device=TEST_DEVICE)
     eng = Engine(model, 1, 64)
-    made, first = [], []
+    made = []
     real = torch.tensor
-    monkeypatch.setattr(engine.torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
-    at_first_token = lambda ids: None if first else first.append(len(made))  # noqa: E731
-    out, _ = eng.generate([[5, 6, 7]], 20, Sampling(), on_tokens=at_first_token)
-    assert len(out[0]) == 20 and first
-    # after the prefill's tensors and its first token: the first decode position, not one per step
-    assert len(made) - first[0] <= 1, made[first[0]:]
+    monkeypatch.setattr(forwards.torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    counts = []
+
+    def on_tokens(ids):
+        counts.append(len(made))
+    out, _ = eng.generate([[5, 6, 7]], 30, Sampling(), on_tokens=on_tokens)  # crosses two block boundaries
+    assert len(out[0]) == 30 and len(counts) == 30
+    assert counts[1] > counts[0] and counts[-1] == counts[1], counts  # the first decode step's tensors only
+    eng.continues = False
+    again, _ = eng.generate([[5, 6, 7]], 30, Sampling())
+    assert again == out
 
 
 @torch.inference_mode()
@@ -172,3 +181,34 @@ def test_attention_takes_sdpa_output_in_any_memory_order(monkeypatch):
     assert calls, "the model did not call SDPA"
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_lookahead_launches_the_next_step_and_changes_no_token():
+    """CUDA's lookahead (run here on CPU): the next step is launched before this one's tokens are
+    read, and kept where the plan is that step (the same rows one position further), dropped where
+    it is not (a row ended, another arrived). Every request's greedy tokens are its solo run's."""
+    model = random_model(device=TEST_DEVICE)
+    prompts = [[5, 6, 7], list(range(20, 60)), [9] * 17]
+    alone = [Engine(model, 1, 128).generate([p], 24, Sampling())[0][0] for p in prompts]
+    eng = Engine(model, 3, 128)
+    eng.lookahead, kept = True, []
+    run_rides = eng.run_rides
+
+    def rides(plan):
+        ahead = eng.ahead
+        out = run_rides(plan)
+        kept.append(ahead is not None and eng.last_out is ahead[1])
+        return out
+    eng.run_rides = rides
+    reqs = [Request(p, 24 - 6 * i) for i, p in enumerate(prompts)]
+    eng.submit(reqs[0])
+    for step in range(200):
+        if step == 5:
+            eng.submit(reqs[1])
+        if step == 9:
+            eng.submit(reqs[2])
+        if not eng.step() and step > 9:
+            break
+    assert [r.out for r in reqs] == [a[:len(r.out)] for a, r in zip(alone, reqs)]
+    assert [len(r.out) for r in reqs] == [24, 18, 12]
+    assert sum(kept) > 10 and not all(kept)

@@ -11,7 +11,8 @@ import torch
 
 import kernels
 from conftest import random_model, run_script, save_checkpoint
-from engine import Chat, Engine, forward_rides
+from engine import Chat, Engine
+from forwards import forward_rides
 from loading import load_model
 from sampling import Sampling, logits_to_probs, sample
 
@@ -71,7 +72,7 @@ def test_regional_compile_compiles_each_kind_of_layer_once():
         engine.run_chunk(list(range(3, 11)), 0, tables)
         # one token at position 8: (tokens, positions, block size, kv_len, logit rows), its slots and tables
         step = (torch.tensor([[17]]), torch.tensor([[8]]), 16, 32, torch.tensor([0]))
-        views = engine.batch_views([([17], 8, tables)], 2)
+        views = engine.feeder.views([([17], 8, tables)], 2)
         expected = forward_rides(copy.deepcopy(model), *step, **views)
         torch._dynamo.reset()
         got, (code,) = run_and_get_code(engine.rides, model, *step, **views)

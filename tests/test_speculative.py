@@ -18,7 +18,8 @@ from errors import UserError
 from loading import load_model
 from sampling import Sampling, logits_to_probs
 from scheduler import Request
-from speculative import DraftProposer, NgramProposer, SpeculativeEngine
+from proposers import DraftProposer, NgramProposer
+from speculative import SpeculativeEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -49,9 +49,10 @@ def run_case(model, prompts: list, steps: int, compile: bool = False) -> dict:
 
 
 def run_speculative(model, case: dict, draft=None) -> dict:
+    import proposers
     import speculative
     (prompt,) = case["prompts"]
-    proposer = speculative.DraftProposer(draft) if draft is not None else speculative.NgramProposer(case["ngram"])
+    proposer = proposers.DraftProposer(draft) if draft is not None else proposers.NgramProposer(case["ngram"])
     engine = Engine(model, 1, len(prompt) + case["steps"] + 1 + case["speculate_k"] + 1)
     spec = speculative.SpeculativeEngine(engine, proposer, case["speculate_k"])
     (out,), _ = spec.generate([prompt], case["steps"] + 1, Sampling())
