@@ -29,7 +29,7 @@ from errors import UserError
 
 # the prompt rows a step takes beside decoding ones, in units of one row's products: the step reads
 # the weights once (as long as STEP_ROWS rows' products on a CPU) and a row attends over its
-# positions (one unit per ROW_POSITIONS); at least MIN_PROMPT_ROWS (docs/design.md, "Batching")
+# positions (one unit per ROW_POSITIONS); at least MIN_PROMPT_ROWS (docs/design.md, "Serving many requests")
 STEP_ROWS, ROW_POSITIONS, MIN_PROMPT_ROWS = 32, 100, 8
 
 
