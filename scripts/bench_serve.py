@@ -6,6 +6,10 @@ inter-token latency (ITL), median and p99.
     python -m scripts.bench_serve --engines ours,llama-server,transformers --concurrency 1,4,8,16
     python -m scripts.bench_serve --workload long-prompt     # a 2,000-token prompt joins 8 streams
     python -m scripts.bench_serve --workload shared-prefix   # ours with prefix reuse on and off
+    python -m scripts.bench_serve --workload system-prompt --engines ours,before --before /tmp/main
+        # 16 requests, one 1,024-token system prompt: peak KV blocks, TTFT with the prefix cache and without
+    python -m scripts.bench_serve --workload mixed-lengths --engines ours,before --before /tmp/main
+        # prompts of 64 to 4,000 tokens at the same KV memory: how many requests run at once
 
 Each engine is started here on the same weights (ours: serve.py on checkpoints/MODEL; llama-server:
 the F32 or Q8_0 GGUF of the same weights, built by scripts/build_llama_server.sh), or --url points
@@ -14,6 +18,7 @@ at a running server. Every request gets the same prompt ids on every engine.
 import argparse
 import http.client
 import json
+import math
 import os
 import random
 import signal
@@ -30,6 +35,7 @@ import download
 from scripts.bench_peers import THREADS, gguf_variant, quantized_activations
 
 ROOT = Path(__file__).resolve().parents[1]
+BLOCK_TOKENS = 16  # serve.py's KV cache blocks
 CACHE = Path(os.environ.get("MINILLM_CACHE") or Path.home() / ".cache" / "minillm")
 
 
@@ -56,7 +62,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900):
     raise RuntimeError("the server did not start")
 
 
-def start_ours(args, slots: int, ctx: int, logfile, extra=()) -> tuple:
+def start_ours(args, slots: int, ctx: int, logfile, extra=(), root: Path = ROOT) -> tuple:
+    """serve.py of this tree (or of root: --before's) on a free port."""
     port = free_port()
     checkpoint = args.checkpoint
     if args.precision == "int8":
@@ -68,10 +75,48 @@ def start_ours(args, slots: int, ctx: int, logfile, extra=()) -> tuple:
            "--max_batch_size", str(slots), "--max_seq_length", str(ctx), "--device", args.device,
            "--dtype", quantized_activations(args.device) if args.precision == "int8" else args.precision,
            "--model_name", "bench", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=root, stdout=logfile, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
     return proc, url
+
+
+class MetricsPoller:
+    """Reads a server's /metrics every `every` seconds while a load runs: the peak of each gauge
+    named, and each one's mean over the polls."""
+
+    def __init__(self, url: str, names: tuple, every: float = 0.05):
+        self.url, self.names, self.every = url, names, every
+        self.samples = {n: [] for n in names}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.done.is_set():
+            try:
+                text = urllib.request.urlopen(self.url + "/metrics", timeout=2).read().decode()
+            except OSError:
+                text = ""
+            for line in text.splitlines():
+                name, _, value = line.partition(" ")
+                if name in self.samples:
+                    self.samples[name].append(float(value))
+            self.done.wait(self.every)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    def peak(self, name: str) -> float:
+        return max(self.samples[name], default=float("nan"))
+
+    def mean(self, name: str) -> float:
+        xs = self.samples[name]
+        return sum(xs) / len(xs) if xs else float("nan")
 
 
 def start_llama(args, slots: int, ctx: int, logfile) -> tuple:
@@ -327,6 +372,76 @@ def workload_shared_prefix(args, starters: dict) -> list:
     return rows
 
 
+def workload_system_prompt(args, starters: dict) -> list:
+    """16 concurrent requests that share one system prompt (--prefix_len, 1,024 by default) and each
+    ask their own question (--suffix_len tokens): the KV blocks in use at the peak (from /metrics;
+    the slot design of --before reserves every slot whole) against one prefix plus every request's
+    own tokens, and the median TTFT with the prefix cache and without."""
+    n, out = 16, 32
+    prefix = random_prompts(1, args.prefix_len, args.vocab, seed=4)[0]
+    prompts = [prefix + q for q in random_prompts(n, args.suffix_len, args.vocab, seed=5)]
+    ctx = args.prefix_len + args.suffix_len + out + 8
+    own = args.prefix_len + n * (args.suffix_len + out)  # tokens: the prefix once, and each request's own
+    variants = [(name, label, extra) for name in starters
+                for label, extra in (("prefix cache", ()), ("no prefix cache", ("--no-prefix_reuse",)))]
+    rows = []
+    print(HEADER)
+    for name, label, extra in variants:
+        proc, url = starters[name](args, n, ctx, extra)
+        try:
+            run_load(url, random_prompts(2, 32, args.vocab, seed=1002), 4, 2)  # warm-up
+            with MetricsPoller(url, ("minillm_kv_cache_usage", "minillm_kv_cache_blocks_total")) as metrics:
+                s = summarize(run_load(url, prompts, out, n))
+            blocks = metrics.peak("minillm_kv_cache_usage") * metrics.peak("minillm_kv_cache_blocks_total")
+            s.update(engine=f"{name}, {label}", workload="system-prompt", precision=args.precision,
+                     prefix_len=args.prefix_len, suffix_len=args.suffix_len, output_len=out,
+                     # no block gauges (--before's slots): every slot is reserved whole
+                     peak_kv_tokens=n * (ctx + 1) if math.isnan(blocks) else BLOCK_TOKENS * blocks,
+                     own_tokens=own)
+            s["peak_kv_over_own"] = s["peak_kv_tokens"] / own
+            print_row(f"{name}, {label}", s)
+            print(f"  peak KV tokens {s['peak_kv_tokens']:.0f} = {s['peak_kv_over_own']:.2f}x the prefix once "
+                  f"plus each request's own ({own})", flush=True)
+            rows.append(s)
+        finally:
+            stop(proc)
+    for name in starters:
+        on, off = [r for r in rows if r["engine"].startswith(name + ",")]
+        print(f"  {name}: median TTFT with the prefix cache / without: "
+              f"{on['ttft_median_ms'] / off['ttft_median_ms']:.2f}", flush=True)
+    return rows
+
+
+def workload_mixed_lengths(args, starters: dict) -> list:
+    """Prompts of 64 to 4,000 tokens (log-uniform: many short, a few long), all sent at once, on
+    the same KV memory: --before's --slots slots of the longest request, ours a pool of as many
+    tokens with up to 32 rows. How many requests run at once (mean and peak, from /metrics), how
+    long the whole load takes, and that no request is refused."""
+    n, out, longest = 32, 64, 4000
+    rng = random.Random(7)
+    lengths = [int(round(64 * (longest / 64) ** rng.random())) for _ in range(n)]
+    prompts = [random_prompts(1, k, args.vocab, seed=100 + i)[0] for i, k in enumerate(lengths)]
+    ctx = longest + out + 8
+    rows = []
+    print(HEADER)
+    for name, start in starters.items():
+        proc, url = start(args, args.slots, ctx, (), paged=True)
+        try:
+            run_load(url, random_prompts(2, 32, args.vocab, seed=1003), 4, 2)  # warm-up
+            with MetricsPoller(url, ("minillm_requests_running",), every=0.1) as metrics:
+                s = summarize(run_load(url, prompts, out, n))
+            s.update(engine=name, workload="mixed-lengths", precision=args.precision, kv_tokens=args.slots * ctx,
+                     prompt_lengths=lengths, running_mean=metrics.mean("minillm_requests_running"),
+                     running_peak=metrics.peak("minillm_requests_running"))
+            print_row(name, s)
+            print(f"  running at once: mean {s['running_mean']:.1f}, peak {s['running_peak']:.0f}; "
+                  f"{s['requests']} of {n} served in {s['duration_s']:.0f} s", flush=True)
+            rows.append(s)
+        finally:
+            stop(proc)
+    return rows
+
+
 def device_name(device: str) -> str:
     if device == "cpu":
         return "cpu"
@@ -346,12 +461,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32: ours float32 against llama.cpp F32; int8: ours int8 against Q8_0 "
                         "(bfloat16 activations on a GPU); bfloat16: ours and transformers")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (ours and transformers)")
-    p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix"], default="throughput")
+    p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix", "system-prompt", "mixed-lengths"],
+                   default="throughput")
+    p.add_argument("--before", type=Path, default=None,
+                   help="the engine `before`: serve.py of this tree (a worktree of an earlier commit)")
+    p.add_argument("--slots", type=int, default=4,
+                   help="mixed-lengths: the KV memory, in requests of the longest length (before's slots)")
     p.add_argument("--concurrency", default="1,4,8,16")
     p.add_argument("--input_len", type=int, default=256)
     p.add_argument("--output_len", type=int, default=128)
-    p.add_argument("--prefix_len", type=int, default=256, help="shared-prefix: the shared part's tokens")
-    p.add_argument("--suffix_len", type=int, default=256, help="shared-prefix: each prompt's own part")
+    p.add_argument("--prefix_len", type=int, default=None,
+                   help="shared-prefix, system-prompt: the shared part's tokens (default 256, 1024)")
+    p.add_argument("--suffix_len", type=int, default=None,
+                   help="shared-prefix, system-prompt: each prompt's own part (default 256, 48)")
     p.add_argument("--prompts_per_slot", type=int, default=2, help="requests per concurrency level: this x level")
     p.add_argument("--min_prompts", type=int, default=4)
     p.add_argument("--llama_server", default=None, help="llama-server binary (default: the build script's)")
@@ -370,9 +492,17 @@ def main(argv=None):
     args.logdir.mkdir(parents=True, exist_ok=True)
     log(f"server logs in {args.logdir}")
 
-    def ours(args, slots, ctx):
+    def ours(args, slots, ctx, extra=(), paged=False):
+        # paged: the KV memory of `slots` requests of ctx tokens, shared by up to 32 rows
+        rows = ("--max_batch_size", "32", "--kv_cache_tokens", str(slots * ctx)) if paged else ()
         with open(args.logdir / "ours.log", "a") as f:
-            return start_ours(args, slots, ctx, f)
+            return start_ours(args, slots, ctx, f, (*extra, *rows))
+
+    def before(args, slots, ctx, extra=(), paged=False):
+        if args.before is None:
+            sys.exit("error: the engine `before` needs --before DIR")
+        with open(args.logdir / "before.log", "a") as f:
+            return start_ours(args, slots, ctx, f, extra, root=args.before)
 
     def llama(args, slots, ctx):
         with open(args.logdir / "llama-server.log", "a") as f:
@@ -386,11 +516,13 @@ def main(argv=None):
         with open(args.logdir / "ours-regional.log", "a") as f:
             return start_ours(args, slots, ctx, f, ("--compile_mode", "regional"))
 
-    known = {"ours": ours, "ours-no-prepack": ours_unpacked, "ours-regional": ours_regional, "llama-server": llama,
+    known = {"ours": ours, "before": before, "ours-no-prepack": ours_unpacked, "ours-regional": ours_regional, "llama-server": llama,
              "transformers": None}
     names = args.engines.split(",")
     if unknown := [n for n in names if n not in known]:
         sys.exit(f"error: unknown engine(s) {', '.join(unknown)} (choose from {', '.join(known)})")
+    if args.workload in ("system-prompt", "mixed-lengths") and set(names) - {"ours", "before"}:
+        sys.exit(f"error: the {args.workload} workload runs the engines ours and before only")
     if "transformers" in names and args.workload != "throughput":
         sys.exit("error: the transformers engine (generate_batch, not a server) runs the throughput workload only")
     if (args.device != "cpu" or args.precision == "bfloat16") and "llama-server" in names:
@@ -398,8 +530,12 @@ def main(argv=None):
     if args.precision == "int8" and "transformers" in names:
         sys.exit("error: the transformers engine runs float32 or bfloat16")
     starters = {n: known[n] for n in names}
+    defaults = {"system-prompt": (1024, 48)}.get(args.workload, (256, 256))
+    args.prefix_len = args.prefix_len or defaults[0]
+    args.suffix_len = args.suffix_len or defaults[1]
     run = {"throughput": workload_throughput, "long-prompt": workload_long_prompt,
-           "shared-prefix": workload_shared_prefix}[args.workload]
+           "shared-prefix": workload_shared_prefix, "system-prompt": workload_system_prompt,
+           "mixed-lengths": workload_mixed_lengths}[args.workload]
     rows = run(args, starters)
     if args.json:
         meta = {"machine_threads": THREADS, "device": device_name(args.device), "date": time.strftime("%Y-%m-%d"),
