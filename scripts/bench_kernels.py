@@ -8,6 +8,7 @@
     python -m scripts.bench_kernels --what prefill --dtype bfloat16   # the same in bfloat16
     python -m scripts.bench_kernels --what gemm      # BLAS, oneDNN and small_linear by token count
     python -m scripts.bench_kernels --what attend    # a batch step's attention and its read rate
+    python -m scripts.bench_kernels --what blocks    # that attention over blocks of 16 to 256 tokens
 
 Run from the repository root. The model runs with kernels.py's CPU paths installed, as
 loading.load_model does, through the engine's forwards (forwards.forward_chunk for a prompt,
@@ -47,15 +48,18 @@ def prefill(model, tokens: torch.Tensor, forward=forward_chunk) -> torch.Tensor:
     T, device = tokens.shape[1], tokens.device
     positions = torch.arange(T, device=device).view(1, -1)  # (1, T); in blocks 0, 1, ...: slot = position
     table = torch.arange(-(-T // BLOCK_SIZE), device=device).view(1, -1)
-    return forward(model, tokens, positions, positions, table, BLOCK_SIZE, T, True, False)
+    last = torch.tensor([[T - 1]], device=device)
+    return forward(model, tokens, positions, BLOCK_SIZE, T, True, last, slots=positions, block_table=table)[:, -1]
 
 
 def decode_inputs(model, token: int, position: int) -> tuple:
-    """forward_rides' inputs after the model: one row at `position` of a sequence in the cache's
-    first blocks, reading the whole cache (model.setup_caches(1, max_seq_length)), its logits wanted."""
+    """forward_rides' inputs after the model, and its views: one row at `position` of a sequence in
+    the cache's first blocks, reading the whole cache (model.setup_caches(1, max_seq_length)), its
+    logits wanted."""
     tokens, positions = torch.tensor([[token]]), torch.tensor([[position]])  # (1, 1)
     table = torch.arange(model.max_seq_length // BLOCK_SIZE).view(1, -1)
-    return tokens, positions, positions, table, BLOCK_SIZE, model.max_seq_length, torch.tensor([0])
+    return (tokens, positions, BLOCK_SIZE, model.max_seq_length, torch.tensor([0])), dict(slots=positions,
+                                                                                          block_table=table)
 
 
 def timed(fns: dict, rounds: int, calls: int) -> dict:
@@ -226,7 +230,7 @@ def bench_verify(model, options):
     verify = torch.compile(lambda m, t, p: m(t, p)[0].argmax(-1), fullgraph=True, dynamic=False)
     k = options.speculate_k
     tokens, positions = torch.arange(5, 6 + k).view(1, -1), torch.arange(100, 101 + k)
-    one = decode_inputs(model, 5, 100)
+    one, views = decode_inputs(model, 5, 100)
     # the same verify traced with kernels.small_linear switched off: a compiled graph reads the
     # switch once, when it is traced (a separate lambda is a separate graph)
     verify_blas = torch.compile(lambda m, t, p: m(t, p)[0].argmax(-1), fullgraph=True, dynamic=False)
@@ -234,7 +238,7 @@ def bench_verify(model, options):
         verify_blas(model, tokens, positions)
 
     with torch.inference_mode():
-        ms = timed({"decode step, compiled": lambda: step(model, *one, s),
+        ms = timed({"decode step, compiled": lambda: step(model, *one, s, **views),
                     f"{k + 1}-token verify, compiled": lambda: verify(model, tokens, positions),
                     f"{k + 1}-token verify, compiled, BLAS instead of kernels.small_linear":
                         lambda: verify_blas(model, tokens, positions),
@@ -392,6 +396,40 @@ def bench_attend(args: ModelArgs, options) -> dict:
     return result
 
 
+def bench_blocks(args: ModelArgs, options) -> dict:
+    """A batch step's attention (every layer, kernels.attend) over a paged cache of blocks of 16 to
+    256 tokens, each sequence's blocks scattered over the pool: what the block size costs the read.
+    The block sizes are timed in interleaved rounds."""
+    if not kernels.available():
+        print("blocks: the kernels could not be built here", file=sys.stderr)
+        return {}
+    H, G, L, S = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.n_layers, 4096
+    D = args.head_dim or args.dim // args.n_heads
+    dtype = getattr(torch, options.dtype)
+    caches = [(torch.randn(17 * S, H, D).to(dtype), torch.randn(17 * S, H, D).to(dtype)) for _ in range(L)]
+    sizes, result = (16, 32, 64, 128, 256), {}
+    print(f"| {options.dtype} cache: rows | position | " + " | ".join(f"{b}-token blocks (ms)" for b in sizes)
+          + " |\n|---|---|" + "---|" * len(sizes))
+    with torch.inference_mode():
+        for B, pos in ((1, 1000), (16, 1000), (16, 3000)):
+            q = torch.randn(B, H, G, D)
+            width = bucket(pos + 1, S)
+            mask = torch.zeros(B, 1, 1, width)
+            mask[..., pos:] = float("-inf")
+            steps = {}
+            for bs in sizes:
+                per_row = S // bs
+                tables = torch.randperm(17 * per_row, generator=torch.Generator().manual_seed(bs))[:16 * per_row]
+                positions = torch.arange(width)
+                slots = tables.view(16, -1)[:B, positions // bs] * bs + positions % bs  # (B, width)
+                steps[bs] = lambda slots=slots: [kernels.attend(q, k, v, mask, D ** -0.5, 0.0, slots)
+                                                 for k, v in caches]
+            ms = timed(steps, options.rounds, 2)
+            print(f"| {B} | {pos} | " + " | ".join(f"{ms[b]:.2f}" for b in sizes) + " |")
+            result[f"{B} rows at {pos}"] = {str(b): ms[b] for b in sizes}
+    return result
+
+
 def add_to_json(path: Path, key: str, result: dict):
     """One entry per measurement, checkpoint and dtype, kept beside the file's others."""
     old = json.loads(path.read_text()) if path.is_file() else {}
@@ -403,12 +441,12 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "smollm2-135m",
                    help="model whose shapes (layers) or weights (verify, prefill) are used")
-    p.add_argument("--what", choices=["layers", "kinds", "verify", "prefill", "gemm", "attend", "all"], default="all")
+    p.add_argument("--what", choices=["layers", "kinds", "verify", "prefill", "gemm", "attend", "blocks", "all"], default="all")
     p.add_argument("--speculate_k", type=int, default=8, help="verify: proposals per verify forward")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the median is shown")
     p.add_argument("--calls", type=int, default=20, help="layers: calls per round")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", type=Path, help="prefill, attend: add its figures to this JSON file")
+    p.add_argument("--json", type=Path, help="prefill, attend, blocks: add its figures to this JSON file")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="verify, prefill, gemm: the model's dtype; attend: the cache's")
     options = p.parse_args(argv)
@@ -426,6 +464,10 @@ def main(argv=None):
         result = bench_attend(ModelArgs.from_json(options.checkpoint / "config.json"), options)
         if options.json:
             add_to_json(options.json, f"attend {options.checkpoint.name} {options.dtype}", result)
+    if options.what in ("blocks", "all"):
+        result = bench_blocks(ModelArgs.from_json(options.checkpoint / "config.json"), options)
+        if options.json:
+            add_to_json(options.json, f"blocks {options.checkpoint.name} {options.dtype}", result)
     if options.what in ("verify", "prefill", "all"):
         model = kernels.install(load_model(options.checkpoint, torch.device("cpu"), getattr(torch, options.dtype)))
         if options.what in ("verify", "all"):
