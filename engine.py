@@ -34,6 +34,7 @@ from model import Transformer, param_bytes
 from rope import recompute_position
 from sampling import Sampling, pick_tokens
 from scheduler import Request, Scheduler, StepPlan
+from thresholds import THRESHOLDS
 
 BLOCK_SIZE = 16  # tokens a block: the unit of prefix sharing and of allocation (docs/design.md)
 ONE_SEQUENCE = "speculative decoding runs one sequence at a time: use a single prompt and --batch_size 1"
@@ -327,7 +328,7 @@ class Engine:
         views = self.feeder.views([(tokens, start, tables)], self.blocks.blocks_for(start + T))
         # a few tokens after cached ones (a verify, what a grammar forced): one graph for any count,
         # every token's logits; a prompt: eager (or compiled with compile_prefill), the last one's
-        short = T <= kernels.MAX_TOKENS and start > 0
+        short = T <= THRESHOLDS.attend_max_queries and start > 0
         last = None if every or short else torch.tensor([[T - 1]], device=device)
         logits = (self.short_chunk if short else self.long_chunk)(
             self.model, torch.tensor([tokens], device=device), torch.arange(start, start + T, device=device).view(1, -1),

@@ -54,12 +54,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import ACTIVATIONS, Attention, FeedForward, RMSNorm
+from thresholds import THRESHOLDS
 
-MAX_TOKENS = 16  # queries per attention call; a batch step of a quantized model fuses this many rows
-# tokens per small_linear call; from onednn_min_tokens up, oneDNN's GEMM is faster (docs/benchmarks.md)
-LINEAR_MAX_TOKENS = 128
-TILE_MAX_TOKENS = 64  # compiled float32 products up to this many tokens: small_linear, with AVX-512
-PROMPT_QUERY_CHUNK = 128  # queries per SDPA call in a long prompt's attention (CpuAttention)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the float dtypes small_linear and attend take
 SOURCE = Path(__file__).with_name("kernels.cpp")
 
 _state = {"built": None}
@@ -209,11 +206,10 @@ def _(x: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-def uses_onednn(x: Tensor, w: Tensor) -> bool:
-    """Whether `dense_linear` takes x (..., K) times w: on CPU, float32 from 16 tokens and
-    bfloat16 (on a CPU with bf16 instructions) from 8, where oneDNN beats small_linear and BLAS."""
-    return (x.dtype == w.dtype and onednn_dtype(x.device, x.dtype)
-            and x.shape[:-1].numel() >= onednn_min_tokens(x.dtype))
+def uses_onednn(tokens: int, dtype: torch.dtype, w: Tensor) -> bool:
+    """Whether `dense_linear` takes `tokens` tokens in dtype times w: on CPU, float32 and bfloat16
+    (on a CPU with bf16 instructions) from onednn_min_tokens, where oneDNN beats small_linear and BLAS."""
+    return dtype == w.dtype and onednn_dtype(w.device, dtype) and tokens >= onednn_min_tokens(dtype)
 
 
 def onednn_dtype(device: torch.device, dtype: torch.dtype) -> bool:
@@ -223,15 +219,15 @@ def onednn_dtype(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def onednn_min_tokens(dtype: torch.dtype) -> int:
-    """Tokens from which oneDNN's GEMM beats small_linear: 8 in bfloat16, else 16. (A comparison, not
-    a dict keyed by dtype: a compiled region cannot rebuild a guard on such a lookup.)"""
-    return 8 if dtype == torch.bfloat16 else 16
+    """Tokens from which oneDNN's GEMM beats small_linear, from THRESHOLDS. (A comparison, not a
+    dict keyed by dtype: a compiled region cannot rebuild a guard on such a lookup.)"""
+    return THRESHOLDS.onednn_min_tokens_bf16 if dtype == torch.bfloat16 else THRESHOLDS.onednn_min_tokens
 
 
 def compiled_onednn_min_tokens(dtype: torch.dtype) -> int:
-    """Tokens from which a compiled product takes oneDNN's GEMM: float32 with AVX-512 past 64,
-    where small_linear's 512-bit tiles stop beating it (docs/benchmarks.md); else onednn_min_tokens."""
-    return TILE_MAX_TOKENS + 1 if dtype == torch.float32 and AVX512 else onednn_min_tokens(dtype)
+    """Tokens from which a compiled product takes oneDNN's GEMM: float32 with AVX-512 past
+    tile_max_tokens, where small_linear's 512-bit tiles stop beating it; else onednn_min_tokens."""
+    return THRESHOLDS.tile_max_tokens + 1 if dtype == torch.float32 and AVX512 else onednn_min_tokens(dtype)
 
 
 def dense_linear(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -354,93 +350,136 @@ def materialize(x: Tensor) -> Tensor:
 
 
 class CpuLinear(nn.Linear):
-    """nn.Linear with four CPU paths. Eager products of 2 to 15 tokens keep BLAS: the reference
-    that the compiled paths are tested against.
-    - One token (batch-1 decode, a prompt's last layer and output head): with AVX-512,
-      `small_linear`'s one-token loop, compiled or not (BLAS's gemv streams the 151936-row head
-      at a third of the bandwidth); compiled without AVX-512, multiply-and-sum in float32, which
+    """nn.Linear with four CPU paths, chosen by `linear_path` (thresholds from THRESHOLDS). Eager
+    products of 2 tokens up to onednn_min_tokens keep BLAS: the reference that the compiled paths
+    are tested against.
+    - "small_linear" for one token (batch-1 decode, a prompt's last layer and output head) with
+      AVX-512, compiled or not: its one-token loop (BLAS's gemv streams the 151936-row head at a
+      third of the bandwidth).
+    - "reduction" for one compiled token without AVX-512: multiply-and-sum in float32, which
       inductor turns into one vectorized, multi-threaded reduction that streams the weight
       (widening bfloat16 in registers) faster than BLAS and oneDNN gemv, though not at memory
       bandwidth on long rows.
-    - 16 float32 or 8 bfloat16 tokens and more (a prompt, a batch of requests, a long verify):
-      oneDNN's GEMM (`dense_linear`); compiled, in float32 with AVX-512, from 65 tokens.
-    - Fewer tokens, compiled (a speculative verify, a batch step): `small_linear`, which reads
-      each weight once for all the tokens and gives a token the same bits whatever the others.
-    - bfloat16, more tokens (a prompt), on a CPU without bf16 instructions: in float32, since
-      oneDNN's bf16 GEMM there is much slower than widening the weight."""
+    - "onednn" from onednn_min_tokens (a prompt, a batch of requests, a long verify): oneDNN's GEMM
+      (`dense_linear`); compiled, in float32 with AVX-512, past tile_max_tokens.
+    - "small_linear" for fewer tokens, compiled (a speculative verify, a batch step): it reads each
+      weight once for all the tokens and gives a token the same bits whatever the others.
+    - "float32" for more bfloat16 tokens (a prompt) on a CPU without bf16 instructions, where
+      oneDNN's bf16 GEMM is much slower than widening the weight."""
+
+    def linear_path(self, tokens: int, dtype: torch.dtype, compiled: bool) -> str:
+        """The path of `tokens` tokens of x in dtype on the CPU (compiled: being traced by
+        torch.compile): the first rule that holds."""
+        kernel = self.weight.dtype in KERNEL_DTYPES and available()  # small_linear takes these weights
+        if compiled and tokens == 1 and not (AVX512 and kernel):
+            return "reduction"
+        # compiled, the token count is tested once (each test is a guard on the graph's shapes)
+        few = compiled and kernel and tokens < compiled_onednn_min_tokens(dtype)
+        if not few and uses_onednn(tokens, dtype, self.weight):
+            return "onednn"
+        if kernel and ((tokens == 1 and AVX512) or (compiled and tokens <= THRESHOLDS.linear_max_tokens)):
+            return "small_linear"
+        if dtype == torch.bfloat16 and not CPU_HAS_BF16 and tokens > 1:
+            return "float32"
+        return "torch"
 
     def forward(self, x: Tensor) -> Tensor:
-        tokens = x.shape[:-1].numel()
-        compiled_on_cpu = torch.compiler.is_compiling() and x.device.type == "cpu"
-        kernel_ok = self.weight.dtype in (torch.float32, torch.bfloat16) and available()
-        if compiled_on_cpu and tokens == 1 and not (AVX512 and kernel_ok):
-            x_row = materialize(x.reshape(1, -1))  # (1, in_features)
-            y = (self.weight.float() * x_row.float()).sum(-1).to(x.dtype)  # (out_features,)
-            y = y.view(*x.shape[:-1], -1)  # (..., out_features)
-            return y if self.bias is None else y + self.bias
-        # compiled, the token count is tested once (each test is a guard on the graph's shapes)
-        few = compiled_on_cpu and kernel_ok and tokens < compiled_onednn_min_tokens(x.dtype)
-        if not few and uses_onednn(x, self.weight):
+        if x.device.type != "cpu":  # a model moved off the CPU after install: the reference
+            return super().forward(x)
+        path = self.linear_path(x.shape[:-1].numel(), x.dtype, torch.compiler.is_compiling())
+        if path == "reduction":
+            return self.reduction(x)
+        if path == "onednn":
             return dense_linear(x, self.weight, self.bias)
-        one_token_loop = tokens == 1 and AVX512 and x.device.type == "cpu"  # BLAS gemv: 17-28 GB/s
-        if kernel_ok and (one_token_loop or (compiled_on_cpu and tokens <= LINEAR_MAX_TOKENS)):
-            # one bfloat16 token times bfloat16 weights: x as it is, for the bf16 dot product loop
-            bf16_row = tokens == 1 and BF16_DOT and x.dtype == self.weight.dtype == torch.bfloat16
-            y = small_linear(x if bf16_row else x.float(), self.weight).to(x.dtype)  # (..., out_features)
-            return y if self.bias is None else y + self.bias
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not CPU_HAS_BF16 and tokens > 1:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # one rounding, at the end
+        if path == "small_linear":
+            return self.through_small_linear(x)
+        if path == "float32":
+            return self.in_float32(x)
         return super().forward(x)
+
+    def reduction(self, x: Tensor) -> Tensor:
+        x_row = materialize(x.reshape(1, -1))  # (1, in_features)
+        y = (self.weight.float() * x_row.float()).sum(-1).to(x.dtype)  # (out_features,)
+        y = y.view(*x.shape[:-1], -1)  # (..., out_features)
+        return y if self.bias is None else y + self.bias
+
+    def through_small_linear(self, x: Tensor) -> Tensor:
+        # one bfloat16 token times bfloat16 weights: x as it is, for the bf16 dot product loop
+        bf16_row = x.shape[:-1].numel() == 1 and BF16_DOT and x.dtype == self.weight.dtype == torch.bfloat16
+        y = small_linear(x if bf16_row else x.float(), self.weight).to(x.dtype)  # (..., out_features)
+        return y if self.bias is None else y + self.bias
+
+    def in_float32(self, x: Tensor) -> Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # one rounding, at the end
 
 
 class CpuAttention(Attention):
-    """model.Attention with two CPU paths for up to 16 queries under a mask (decode, a verify):
-    `attend`, which reads only the keys each query's mask allows; without the kernels, a
-    compiled decode step spelled out, which inductor fuses into the layer's kernel where CPU
-    SDPA would cost a mostly fixed overhead per call. An eager prompt of 256 tokens or more
-    under a mask is taken in chunks of queries (`attend_in_chunks`)."""
+    """model.Attention with three CPU paths under a mask, chosen by `attention_path` (thresholds
+    from THRESHOLDS); otherwise model.Attention's ("model").
+    - "kernel" for up to attend_max_queries queries (decode, a verify): `attend`, which reads only
+      the keys each query's mask allows.
+    - "chunks" for an eager prompt of twice prompt_query_chunk queries or more: `attend_in_chunks`.
+    - "spelled_out" for one compiled query without the kernels: inductor fuses it into the layer's
+      kernel, where CPU SDPA would cost a mostly fixed overhead per call."""
 
-    def kernel_attends(self, q: Tensor, mask: Optional[Tensor], dtype: torch.dtype) -> bool:
-        """Whether `attend` takes these queries: a few under a mask, on the CPU, with the kernels."""
-        return (mask is not None and q.device.type == "cpu" and q.shape[2] <= MAX_TOKENS and q.shape[-1] % 8 == 0
-                and dtype in (torch.float32, torch.bfloat16) and available())
+    def attention_path(self, queries: int, dtype: torch.dtype, masked: bool, compiled: bool) -> str:
+        """The path of `queries` queries per head over keys in dtype on the CPU (masked: under an
+        additive mask, not SDPA's causal one; compiled: being traced by torch.compile)."""
+        if not masked:
+            return "model"
+        if (queries <= THRESHOLDS.attend_max_queries and self.head_dim % 8 == 0 and dtype in KERNEL_DTYPES
+                and available()):
+            return "kernel"
+        # the count before `compiled`: a compiled prompt's graph keeps this guard on its length
+        if queries >= 2 * THRESHOLDS.prompt_query_chunk and not compiled and (ONEDNN or not self.softcap):
+            return "chunks"
+        if queries == 1 and compiled:
+            return "spelled_out"
+        return "model"
 
     def attend_cache(self, q: Tensor, mask: Tensor, context: Tensor) -> Tensor:
-        B, n_heads, T, head_dim = q.shape
-        cache = self.kv_cache
-        if not self.kernel_attends(q, mask, cache.k_cache.dtype):
-            return super().attend_cache(q, mask, context)
-        # each KV head's query group folded into the query length, as model.Attention does
-        q_groups = q.reshape(B, self.n_kv_heads, -1, head_dim)  # (B, n_kv_heads, group * T, head_dim)
-        y = attend(q_groups, cache.k_cache, cache.v_cache, mask, self.scale or head_dim ** -0.5, self.softcap or 0.0,
-                   context)
-        return y.to(q.dtype).view(B, n_heads, T, head_dim)
+        cache, compiled = self.kv_cache, torch.compiler.is_compiling()
+        if q.device.type != "cpu" or self.attention_path(q.shape[2], cache.k_cache.dtype, mask is not None,
+                                                         compiled) != "kernel":
+            return super().attend_cache(q, mask, context)  # the keys gathered, then `attend`
+        return self.kernel_attend(q, cache.k_cache, cache.v_cache, mask, context)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-        B, n_heads, T, head_dim = q.shape
-        if mask is None or q.device.type != "cpu":
+        if q.device.type != "cpu":  # a model moved off the CPU after install: the reference
             return super().attend(q, k, v, mask)
-        n_kv_heads, scale = k.shape[1], self.scale or head_dim ** -0.5
-        # each KV head's query group folded into the query length, as model.Attention does
-        q_groups = q.reshape(B, n_kv_heads, -1, head_dim)  # (B, n_kv_heads, group * T, head_dim)
-        if self.kernel_attends(q, mask, k.dtype):
-            y = attend(q_groups, k, v, mask, scale, self.softcap or 0.0).to(q.dtype)
-            return y.view(B, n_heads, T, head_dim)
-        if T >= 2 * PROMPT_QUERY_CHUNK and not torch.compiler.is_compiling() and (ONEDNN or not self.softcap):
+        path = self.attention_path(q.shape[2], k.dtype, mask is not None, torch.compiler.is_compiling())
+        if path == "kernel":
+            return self.kernel_attend(q, k, v, mask)
+        if path == "chunks":
             return self.attend_in_chunks(q, k, v, mask)
-        if T == 1 and torch.compiler.is_compiling():
-            # scores (B, n_kv_heads, group, S); the mask (B, 1, 1, S) broadcasts over heads and group
-            scores = (q_groups.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1) * scale
-            if self.softcap:
-                scores = torch.tanh(scores / self.softcap) * self.softcap
-            probs = torch.softmax(scores + mask, dim=-1)
-            y = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2).to(q.dtype)  # (B, n_kv_heads, group, head_dim)
-            return y.view(B, n_heads, T, head_dim)
+        if path == "spelled_out":
+            return self.spelled_out(q, k, v, mask)
         return super().attend(q, k, v, mask)
 
+    def kernel_attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, slots: Optional[Tensor] = None) -> Tensor:
+        """`attend` over k and v (B, n_kv_heads, S, head_dim), or with slots (B, S) over a cache's
+        slot pools (N, n_kv_heads, head_dim)."""
+        B, n_heads, T, head_dim = q.shape
+        # each KV head's query group folded into the query length, as model.Attention does
+        q_groups = q.reshape(B, k.shape[1], -1, head_dim)  # (B, n_kv_heads, group * T, head_dim)
+        y = attend(q_groups, k, v, mask, self.scale or head_dim ** -0.5, self.softcap or 0.0, slots)
+        return y.to(q.dtype).view(B, n_heads, T, head_dim)
+
+    def spelled_out(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """One query per head, for inductor to fuse."""
+        B, n_heads, T, head_dim = q.shape
+        q_groups = q.reshape(B, k.shape[1], -1, head_dim)  # (B, n_kv_heads, group, head_dim)
+        # scores (B, n_kv_heads, group, S); the mask (B, 1, 1, S) broadcasts over heads and group
+        scores = (q_groups.float().unsqueeze(-2) * k.float().unsqueeze(-3)).sum(-1) * (self.scale or head_dim ** -0.5)
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        probs = torch.softmax(scores + mask, dim=-1)
+        y = (probs.unsqueeze(-1) * v.float().unsqueeze(-3)).sum(-2).to(q.dtype)  # (B, n_kv_heads, group, head_dim)
+        return y.view(B, n_heads, T, head_dim)
+
     def attend_in_chunks(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """A prompt's masked attention, PROMPT_QUERY_CHUNK queries at a time over the keys from the
+        """A prompt's masked attention, prompt_query_chunk queries at a time over the keys from the
         first to the last one any of them may see: CPU SDPA works in blocks of 512 keys and would
         multiply every query by every key of a causal prompt shorter than that, half of them
         masked away (and, behind a ring cache, by its window of slots not yet written). A bfloat16
@@ -450,9 +489,9 @@ class CpuAttention(Attention):
         scale = self.scale or q.shape[-1] ** -0.5
         bf16 = (PROMPT_ATTEND and q.dtype == k.dtype == v.dtype == torch.bfloat16 and not self.softcap
                 and q.shape[-1] % 64 == 0 and available())
-        out = []
-        for start in range(0, q.shape[2], PROMPT_QUERY_CHUNK):
-            stop = min(q.shape[2], start + PROMPT_QUERY_CHUNK)
+        out, chunk = [], THRESHOLDS.prompt_query_chunk
+        for start in range(0, q.shape[2], chunk):
+            stop = min(q.shape[2], start + chunk)
             seen = visible[start:stop].any(0).nonzero()  # not empty: a query always sees itself
             first, last = int(seen.min()), int(seen.max()) + 1  # a ring cache's empty slots lead
             args = (q[:, :, start:stop], k[:, :, first:last], v[:, :, first:last], mask[:, :, start:stop, first:last])

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from config_checks import ConfigError, checked_config_value
 from rope import ROPE_TYPES, Rotary, apply_rope, rope_inv_freq
+from thresholds import THRESHOLDS
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "qwen3", "olmo2", "smollm3",
                  "granite", "phi3", "mixtral", "qwen3_moe", "gpt_oss")
@@ -226,11 +227,6 @@ class RMSNorm(nn.Module):
         if self.weight_offset:  # Gemma scales by (1 + w) in float32 and rounds once, as its reference does
             return (xf * (self.weight_offset + self.weight.float())).type_as(x)
         return self.weight * xf.type_as(x)
-
-
-# Above this many tokens a prefill from slot 0 uses SDPA's causal mask rather than our additive one:
-# SDPA then skips whole blocks of keys past the diagonal, which only long prompts have.
-CAUSAL_SDPA_MIN_TOKENS = 512
 
 
 class Attention(nn.Module):
@@ -535,7 +531,8 @@ class Transformer(nn.Module):
         if self.args.embedding_scale:  # the scale rounded to the model dtype first, as Gemma's reference does
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
         # one whole sequence from position 0: full-attention layers use SDPA's causal mask
-        sdpa_causal = batch.fresh and B == 1 and T > CAUSAL_SDPA_MIN_TOKENS and not self.args.attn_logit_softcapping
+        sdpa_causal = (batch.fresh and B == 1 and T > THRESHOLDS.causal_sdpa_min_tokens
+                       and not self.args.attn_logit_softcapping)
         masks = self.masks(batch.positions, T if batch.fresh else batch.kv_len, x.dtype, sdpa_causal)
         views = batch.views()  # the slots and contexts, shared by the layers
         for i, layer in enumerate(self.layers):

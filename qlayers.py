@@ -38,22 +38,12 @@ from model import Experts, Transformer, through_experts
 from packing import (bytes_to_nibbles, dequantize_int4, for_cpu_kernel, int8_byte, int8_layout, pack_int4,
                      pack_int4_rows, pack_int8_for_device, pad_columns, padded_width, tinygemm_mm, tinygemm_pack,
                      unpack_int4, unpack_int4_rows, unpack_int8, uses_tinygemm)
+from thresholds import THRESHOLDS
 
 GROUPSIZES = (32, 64, 128, 256)  # the int4 kernel handles 32 and multiples of 64
 
 
 # ---------------------------------------------------------------- the layers
-
-def compiled_matvec(x: Tensor) -> bool:
-    """Whether x (one token, being compiled) goes through the unpacking expression, which inductor
-    fuses with the rest of the layer, rather than a dequantized weight."""
-    return torch.compiler.is_compiling() and x.shape[:-1].numel() == 1
-
-
-# Up to this many tokens (decode, a verify, a short prompt, a batch step) a quantized product goes
-# through the integer loops: dequantizing every weight to bfloat16 costs more below it (docs/design.md)
-LOOP_MAX_TOKENS = 64
-
 
 def padded_tokens(x: Tensor, width: int) -> Tensor:
     """x (..., in) -> float32 (tokens, width), zero columns appended to the packed width."""
@@ -77,18 +67,10 @@ class QuantizedLayer(nn.Module):
 
 
 class PackedLinear(QuantizedLayer):
-    """What the int8 and int4 linears share: the choice of path, by layout and token count.
-    A subclass's pack() sets `cpu_kernel_layout`, `tinygemm` and `width` (the padded input width),
-    and it gives `cpu_kernel` (kernels.py, CPU), `matvec` (the unpacking expression for one compiled
-    token) and `dequantized` (everything else).
-    - int4 on CUDA in bfloat16: every token count through tinygemm (`tinygemm_mm`).
-    - CPU with kernels.py: up to 64 tokens (decode, a verify, a short prompt), compiled or not,
-      go through kernels.py's int8-activation loop, which reads the weights faster than
-      inductor's fused expression.
-    - CUDA, or a CPU without the kernels: one compiled token is the unpacking expression.
-    - Otherwise (longer prompts, eager CUDA) the layer dequantizes its weight for the float matmul;
-      on a CPU with bf16 instructions, in bfloat16 through oneDNN (kernels.dense_linear), twice
-      the float32 GEMM's rate."""
+    """What the int8 and int4 linears share: the choice of path, by layout and token count
+    (`linear_path`). A subclass's pack() sets `cpu_kernel_layout`, `tinygemm` and `width` (the
+    padded input width), and it gives `cpu_kernel` (kernels.py, CPU), `matvec` (the unpacking
+    expression for one compiled token) and `dequantized` (everything else)."""
     tinygemm = False
 
     def one_pass(self, dtype) -> bool:
@@ -96,28 +78,46 @@ class PackedLinear(QuantizedLayer):
         temporaries) rather than the torch expression."""
         return self.cpu_kernel_layout and kernels.available() and dtype in (torch.float32, torch.bfloat16)
 
+    def linear_path(self, tokens: int, compiled: bool) -> str:
+        """The path of `tokens` tokens of x (compiled: being traced by torch.compile), first rule first."""
+        if self.tinygemm:  # int4 on CUDA in bfloat16, every token count: tinygemm_mm
+            return "tinygemm"
+        # CPU with kernels.py, compiled or not: its int8-activation loop reads the weights faster than inductor
+        if self.cpu_kernel_layout and tokens <= THRESHOLDS.loop_max_tokens:
+            return "loop"
+        # CUDA, or a CPU without kernels.py: one compiled token through the unpacking expression, which inductor fuses
+        if not self.cpu_kernel_layout and compiled and tokens == 1:
+            return "matvec"
+        if not self.cpu_kernel_layout and getattr(self, "layout", None) == "rows":  # CUDA's int8 rows
+            return "rows"
+        return "dequantized"  # a longer prompt, eager CUDA: one dequantized weight for the float product
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.tinygemm:
+        path = self.linear_path(x.shape[:-1].numel(), torch.compiler.is_compiling())
+        if path == "tinygemm":
             xt = x.reshape(-1, x.shape[-1]).to(self.scales_and_zeros.dtype)
             y = tinygemm_mm(F.pad(xt, (0, self.width - x.shape[-1])), self.packed, self.groupsize, self.scales_and_zeros)
-        elif self.cpu_kernel_layout and x.shape[:-1].numel() <= LOOP_MAX_TOKENS:
+        elif path == "loop":
             y = self.cpu_kernel(padded_tokens(x, self.width))  # (tokens, out) float32
-        elif not self.cpu_kernel_layout and compiled_matvec(x):
+        elif path == "matvec":
             y = self.matvec(kernels.materialize(padded_tokens(x, self.width)))
-        elif getattr(self, "layout", None) == "rows" and not self.cpu_kernel_layout:
-            # CUDA's int8 rows: integers are exact in any float dtype, so the scales can wait until
-            # after the product (one copy of the weight in x's dtype, no float32 one)
+        elif path == "rows":  # integers are exact in any float dtype: the scales wait until after the product
             y = F.linear(x.reshape(-1, x.shape[-1]), self.packed.to(x.dtype)) * self.scales
         else:
-            # a CPU prompt in bfloat16 where oneDNN runs it at twice float32's rate: x and the
-            # product rounded to 8 bits of mantissa (the kernel path rounds x coarser, to int8
-            # blocks), the weight by at most a quarter of an int8 step
-            bf16 = self.cpu_kernel_layout and kernels.ONEDNN and kernels.CPU_HAS_BF16
-            x_in = x.to(torch.bfloat16) if bf16 else x
-            weight = self.dequantized(x_in.dtype)
-            y = kernels.dense_linear(x_in, weight) if kernels.uses_onednn(x_in, weight) else F.linear(x_in, weight)
+            y = self.through_dequantized(x)
         y = y.to(x.dtype).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
+
+    def through_dequantized(self, x: Tensor) -> Tensor:
+        """x times the dequantized weight; on a CPU with bf16 instructions in bfloat16 through oneDNN,
+        at twice float32's rate: x and the product rounded to 8 bits of mantissa (the loops round x
+        coarser, to int8 blocks), the weight by at most a quarter of an int8 step."""
+        bf16 = self.cpu_kernel_layout and kernels.ONEDNN and kernels.CPU_HAS_BF16
+        x_in = x.to(torch.bfloat16) if bf16 else x
+        weight = self.dequantized(x_in.dtype)
+        if kernels.uses_onednn(x_in.shape[:-1].numel(), x_in.dtype, weight):
+            return kernels.dense_linear(x_in, weight)
+        return F.linear(x_in, weight)
 
 
 class Int8Linear(PackedLinear):
@@ -346,7 +346,7 @@ class Int8Experts(QuantizedLayer):
             return through_experts(self, x, ids)
         N, k = ids.shape
         x = x.unsqueeze(1).expand(N, k, x.shape[-1]) if x.dim() == 2 else x  # (N, k, in)
-        if torch.compiler.is_compiling() and N * k <= min(self.n_experts, kernels.MAX_TOKENS):
+        if torch.compiler.is_compiling() and N * k <= min(self.n_experts, THRESHOLDS.expert_loop_max_slots):
             y = self.decode_slots(padded_tokens(x, self.weight.shape[-1]).view(N, k, -1), ids)
         else:
             y = torch.ops.minillm_quantize.int8_experts(x.float(), ids, self.weight, self.scales, self.n_experts)
@@ -378,7 +378,7 @@ class Int8Experts(QuantizedLayer):
 @torch.library.custom_op("minillm_quantize::int8_experts", mutates_args=())
 def int8_experts(x: Tensor, ids: Tensor, weight: Tensor, scales: Tensor, n_experts: int) -> Tensor:
     """x (N, k, in) float32 times the int8 expert ids[n, j] for each token slot: (N, k, out)
-    float32. Up to 16 slots of a chosen expert go through kernels.q8_linear on a view of its rows
+    float32. Up to expert_loop_max_slots slots of a chosen expert go through kernels.q8_linear on a view of its rows
     (nothing gathered, nothing dequantized), more (a prompt) through its dequantized matrix. An
     opaque op in a compiled graph: which experts a step reads is data."""
     N, k, width = x.shape[0], x.shape[1], weight.shape[-1]
@@ -391,7 +391,7 @@ def int8_experts(x: Tensor, ids: Tensor, weight: Tensor, scales: Tensor, n_exper
     for e, chosen in slots.items():
         if len(chosen) == 1:  # a decode step's slots: a view, no copy
             out[chosen[0]:chosen[0] + 1] = kernels.q8_linear(flat[chosen[0]:chosen[0] + 1], w[e], s[e])
-        elif len(chosen) <= kernels.MAX_TOKENS:
+        elif len(chosen) <= THRESHOLDS.expert_loop_max_slots:
             out[chosen] = kernels.q8_linear(flat[chosen], w[e], s[e])
         else:
             out[chosen] = F.linear(flat[chosen], w[e].float() * s[e][:, None])

@@ -50,6 +50,7 @@ from openai_api import Server, build_app
 from prompt_store import open_store
 from rope import recompute_position, trained_context
 from scheduler import StepPlan
+from thresholds import THRESHOLDS
 from tokenizer import Tokenizer
 from tp import MODES as TP_MODES, init_from_env
 
@@ -187,7 +188,7 @@ def warm_up(engine: Engine):
             plans.append(step(wide, 0, pos))
         if B >= wide:  # many rows and many logits: as many streams
             plans.append(step(wide, 2 if fused >= wide + 2 else 0, pos))
-    plans += engine.chunk_plans(kernels.MAX_TOKENS)  # a prompt's few tokens after cached blocks
+    plans += engine.chunk_plans(THRESHOLDS.attend_max_queries)  # a prompt's few tokens after cached blocks
     with torch.inference_mode():
         for plan in plans:
             if engine.broadcast is not None:

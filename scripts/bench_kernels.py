@@ -37,6 +37,7 @@ from forwards import bucket, forward_chunk, forward_rides
 from loading import load_model
 from model import ModelArgs
 from sampling import Sampling
+from thresholds import THRESHOLDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -352,7 +353,7 @@ def bench_gemm(args: ModelArgs, options):
             for T in (8, 16, 32, 64, 128, 494):
                 x = torch.randn(T, inp).to(dtype)
                 fns = {"blas": lambda: F.linear(x, w), "onednn": lambda: kernels.dense_linear(x, w)}
-                if T <= kernels.LINEAR_MAX_TOKENS:
+                if T <= THRESHOLDS.linear_max_tokens:
                     fns["small"] = lambda: kernels.small_linear(x.float(), w)
                 ms = timed(fns, options.rounds, 10)
                 gflops = {k: 2 * T * out * inp / (t * 1e6) for k, t in ms.items()}

@@ -25,11 +25,12 @@ import scheduler
 from engine import Chat, Engine
 from errors import ConvertError
 from loading import load_model
-from model import CAUSAL_SDPA_MIN_TOKENS, MoEFeedForward, Transformer, param_bytes
+from model import MoEFeedForward, Transformer, param_bytes
 from sampling import Sampling
 from scheduler import Request
 from test_hf_parity import (DECODE_STEPS, MISTAKE_MIN, PROMPT_LEN, TOL, build_hf_model, fresh_prefill, greedy,
                             hf_greedy, load_hf, load_ours, max_diff, tokens)
+from thresholds import THRESHOLDS
 
 HEAD_DIM = 16  # BASE: hidden 64 over 4 heads
 
@@ -119,13 +120,13 @@ def test_prefill_and_cached_decode_match_hf(case, fast_paths):
                                   "qwen3_moe_top4_unnormalized"])
 @torch.inference_mode()
 def test_long_prefill_matches_hf(name, tmp_path):
-    """A prompt longer than CAUSAL_SDPA_MIN_TOKENS from position 0 as a fresh chunk (the engine's
+    """A prompt longer than causal_sdpa_min_tokens from position 0 as a fresh chunk (the engine's
     first chunk of a prompt): full-attention layers take SDPA's causal mask (the sinks then build
     their own), LongRoPE its long factors, the experts their grouped path; the last position alone
     too (ForwardBatch.last)."""
     hf_dir, our_dir = convert(name, tmp_path)
     hf, ours = load_hf(hf_dir), load_ours(our_dir)
-    T = CAUSAL_SDPA_MIN_TOKENS + 40
+    T = THRESHOLDS.causal_sdpa_min_tokens + 40
     ours.setup_caches(max_batch_size=1, max_seq_length=T + 8)
     ids = tokens(T, seed=4)
     expected = hf(ids).logits

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import kernels
-import qlayers
 from conftest import TEST_DEVICE, random_model
 from engine import Engine
 from errors import UserError
 from model import Transformer
 from sampling import Sampling, sample_rows
 from scheduler import QueueFull, Request
+from thresholds import THRESHOLDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,7 +108,7 @@ def test_quantized_wide_steps_as_alone(tmp_path):
     assert r.returncode == 0, r.stderr
     model = load_model(tmp_path / "int8", TEST_DEVICE)
     # prompts that the solo run also feeds through the loops (a longer one, dequantized weights)
-    ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 5 + qlayers.LOOP_MAX_TOKENS))]
+    ps = [p[:3] for p in prompts(11, seed=3)] + [list(range(3, 60)), list(range(5, 5 + THRESHOLDS.loop_max_tokens))]
     assert_wide_steps_as_alone(model, model, ps, 16)
 
 
@@ -165,9 +165,9 @@ def test_compile_caches_are_keyed_by_the_traced_code(tmp_path):
         folder.mkdir()
         for name in compile_.TRACED_SOURCES:
             shutil.copy(root / name, folder / name)
-    source = (root / "kernels.py").read_text()
-    assert "TILE_MAX_TOKENS = 64" in source
-    (edited / "kernels.py").write_text(source.replace("TILE_MAX_TOKENS = 64", "TILE_MAX_TOKENS = 48"))
+    source = (root / "thresholds.py").read_text()
+    assert "tile_max_tokens: int = 64" in source
+    (edited / "thresholds.py").write_text(source.replace("tile_max_tokens: int = 64", "tile_max_tokens: int = 48"))
     assert compile_.compile_cache_tag(same) == compile_.compile_cache_tag(root) != compile_.compile_cache_tag(edited)
     with torch.compiler.config.patch(cache_key_tag="mine"):  # (monkeypatch's undo deletes a config entry)
         serving(random_model(), 2, 32, compile=True)

@@ -18,8 +18,9 @@ from conftest import ROOT, TEST_DEVICE, device_flags, random_model
 from engine import Engine
 from scheduler import Request
 from errors import UserError
-from model import CAUSAL_SDPA_MIN_TOKENS, ForwardBatch
+from model import ForwardBatch
 from sampling import Sampling
+from thresholds import THRESHOLDS
 
 # API the engine calls -> the torch release that introduced it
 SINCE = {
@@ -159,7 +160,7 @@ def test_attention_takes_sdpa_output_in_any_memory_order(monkeypatch):
     torch.manual_seed(0)
     model = random_model(n_heads=4, n_kv_heads=2)  # grouped queries: attend folds each group into T
     prompt, steps = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 3))
-    long = torch.randint(0, 256, (1, CAUSAL_SDPA_MIN_TOKENS + 8))  # a fresh chunk this long: SDPA's causal mask
+    long = torch.randint(0, 256, (1, THRESHOLDS.causal_sdpa_min_tokens + 8))  # a fresh chunk this long: SDPA's causal mask
 
     def run():
         model.setup_caches(2, long.shape[1])

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 import kernels
 from conftest import TEST_DEVICE, on_test_device
 from convert_hf import convert_hf_checkpoint
-from model import CAUSAL_SDPA_MIN_TOKENS, ForwardBatch, ModelArgs, Transformer
+from model import ForwardBatch, ModelArgs, Transformer
+from thresholds import THRESHOLDS
 
 # against transformers on the CPU; a GPU sums in another order (600-token prefills came to 1.0e-4 and, Gemma 3
 # with qk-norm, 2.3e-4 on an H200). A deliberate mistake must exceed 10x the CPU's tolerance, 2x the GPU's.
@@ -178,7 +179,7 @@ def test_incremental_decode_matches_hf(case, fast_paths):
 def fresh_prefill(model: Transformer, ids: torch.Tensor, last: bool = False) -> torch.Tensor:
     """ids (1, T) from position 0 as the engine's first chunk of a prompt runs them: nothing cached
     before them (ForwardBatch.fresh), so attention reads the chunk's own keys, and full-attention
-    layers take SDPA's causal mask past CAUSAL_SDPA_MIN_TOKENS; last: only the last position goes
+    layers take SDPA's causal mask past causal_sdpa_min_tokens; last: only the last position goes
     through the last layer (ForwardBatch.last), whose logits alone come back (1, 1, V)."""
     T, device = ids.shape[1], model.norm.weight.device
     final = torch.full((1, 1), T - 1, device=device) if last else None
@@ -188,14 +189,14 @@ def fresh_prefill(model: Transformer, ids: torch.Tensor, last: bool = False) -> 
 
 @torch.inference_mode()
 def test_long_prefill_logits_match_hf(case):
-    """A whole prompt from position 0 longer than CAUSAL_SDPA_MIN_TOKENS, as a fresh chunk (the
+    """A whole prompt from position 0 longer than causal_sdpa_min_tokens, as a fresh chunk (the
     engine's first chunk of a prompt): full-attention layers take SDPA's causal mask instead of
     ours, and with ForwardBatch.last the last layer computes the last position only. Through the
     cache (the whole row read under our additive mask), and as two halves through the cache, the
     same prompt runs under our mask over the cached keys."""
     name, hf_dir, our_dir = case
     hf, ours = load_hf(hf_dir), load_ours(our_dir)
-    T = CAUSAL_SDPA_MIN_TOKENS + 88
+    T = THRESHOLDS.causal_sdpa_min_tokens + 88
     ours.setup_caches(max_batch_size=1, max_seq_length=T + 8)
     ids = tokens(T, seed=4)
     expected = hf(ids).logits

@@ -17,6 +17,7 @@ import model as reference
 import packing
 import qlayers
 from conftest import random_model, run_script
+from thresholds import THRESHOLDS
 
 
 def recording(graphs: list):
@@ -104,9 +105,9 @@ def test_small_linear_gives_a_token_the_same_bits_whatever_the_token_count(dtype
         pytest.fail("kernels.small_linear could not be built here")
     g = torch.Generator().manual_seed(1)
     w = torch.randn(101, 200, generator=g).to(dtype)  # 200: a last step of 8 columns
-    x = torch.randn(kernels.TILE_MAX_TOKENS, 200, generator=g)
+    x = torch.randn(THRESHOLDS.tile_max_tokens, 200, generator=g)
     full = kernels.small_linear(x, w)
-    for T in range(2, kernels.TILE_MAX_TOKENS):
+    for T in range(2, THRESHOLDS.tile_max_tokens):
         assert torch.equal(kernels.small_linear(x[:T], w), full[:T]), T
         assert torch.equal(kernels.small_linear(x[-T:], w), full[-T:]), T
 
@@ -131,11 +132,11 @@ def test_integer_loops_give_a_row_the_same_bits_whatever_the_other_rows():
 
 
 def test_integer_loops_give_a_token_the_same_bits_whatever_the_other_tokens():
-    # a serving step's rows (up to qlayers.LOOP_MAX_TOKENS) are other requests' tokens
+    # a serving step's rows (up to THRESHOLDS.loop_max_tokens) are other requests' tokens
     if not kernels.available():
         pytest.fail("the integer kernels could not be built here")
     g = torch.Generator().manual_seed(3)
-    N, K, T = 37, 576, qlayers.LOOP_MAX_TOKENS
+    N, K, T = 37, 576, THRESHOLDS.loop_max_tokens
     x = torch.randn(T, K, generator=g)
     w8, s8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8), torch.rand(N, generator=g)
     q4 = packing.pack_int4_rows(torch.randint(0, 16, (N, K), generator=g))
@@ -299,6 +300,71 @@ def test_prompt_sized_products_take_onednn_compiled_or_not(monkeypatch, dtype):
         assert (len(calls) == 2) == onednn and any("minillm_dnn.linear" in g for g in graphs) == onednn, tokens
         for got in (eager, compiled, inductor):
             assert got.shape == (1, tokens, 40) and (got.double() - ref).abs().max().item() < tol, tokens
+
+
+def cpu_features(monkeypatch, every: bool):
+    """This process's kernels.py as on a CPU with AVX-512, its BF16 part, bf16 instructions and oneDNN
+    (every), or with oneDNN alone; the kernels built either way."""
+    for flag in ("AVX512", "BF16_DOT", "CPU_HAS_BF16"):
+        monkeypatch.setattr(kernels, flag, every)
+    monkeypatch.setattr(kernels, "ONEDNN", True)
+    monkeypatch.setitem(kernels._state, "built", True)
+
+
+def test_linear_path_follows_the_thresholds_table(monkeypatch):
+    """CpuLinear.linear_path by (weight and x dtype, tokens, compiled), the counts read from THRESHOLDS."""
+    t, f32 = THRESHOLDS, kernels.CpuLinear(8, 8)
+    bf16 = kernels.CpuLinear(8, 8).to(torch.bfloat16)
+    cpu_features(monkeypatch, every=True)
+    table = {(bf16, 1, True): "small_linear",  # a bfloat16 decode step, compiled: AVX-512 BF16's token loop
+             (bf16, 1, False): "small_linear", (f32, 1, True): "small_linear",
+             (bf16, t.onednn_min_tokens_bf16 - 1, True): "small_linear",
+             (bf16, t.onednn_min_tokens_bf16 - 1, False): "torch",  # eager: BLAS, the reference
+             (bf16, t.onednn_min_tokens_bf16, True): "onednn", (bf16, 300, False): "onednn",  # a prompt
+             (f32, t.onednn_min_tokens - 1, False): "torch", (f32, t.onednn_min_tokens, False): "onednn",
+             (f32, t.onednn_min_tokens, True): "small_linear", (f32, t.tile_max_tokens, True): "small_linear",
+             (f32, t.tile_max_tokens + 1, True): "onednn", (f32, 300, False): "onednn"}
+    assert {case: case[0].linear_path(case[1], case[0].weight.dtype, case[2]) for case in table} == table
+    cpu_features(monkeypatch, every=False)
+    table = {(bf16, 1, True): "reduction", (f32, 1, True): "reduction", (f32, 1, False): "torch",
+             (f32, t.onednn_min_tokens - 1, True): "small_linear", (f32, t.onednn_min_tokens, True): "onednn",
+             (bf16, t.linear_max_tokens, True): "small_linear",  # no oneDNN in bfloat16 without bf16 instructions
+             (bf16, t.linear_max_tokens + 1, True): "float32", (bf16, 300, False): "float32",
+             (bf16, 1, False): "torch"}
+    assert {case: case[0].linear_path(case[1], case[0].weight.dtype, case[2]) for case in table} == table
+    with kernels.switched_off():
+        assert [f32.linear_path(tokens, torch.float32, True) for tokens in (5, 1)] == ["torch", "reduction"]
+
+
+def test_attention_path_follows_the_thresholds_table(monkeypatch):
+    """CpuAttention.attention_path by (key dtype, queries, masked, compiled), the counts read from THRESHOLDS."""
+    t, layer = THRESHOLDS, kernels.install(random_model()).layers[0].attention  # head_dim 16
+    cpu_features(monkeypatch, every=True)
+    chunked = 2 * t.prompt_query_chunk
+    f32, bf16 = torch.float32, torch.bfloat16
+    table = {(1, bf16, True, True): "kernel",  # a bfloat16 decode step, compiled
+             (t.attend_max_queries, f32, True, False): "kernel", (t.attend_max_queries + 1, f32, True, False): "model",
+             (chunked - 1, f32, True, False): "model", (chunked, f32, True, False): "chunks",
+             (300, bf16, True, False): "chunks",  # a prompt
+             (300, f32, True, True): "model", (300, f32, False, False): "model",  # compiled; SDPA's causal mask
+             (1, torch.float16, True, True): "spelled_out", (1, torch.float16, True, False): "model"}
+    assert {case: layer.attention_path(*case) for case in table} == table
+    with kernels.switched_off():
+        assert [layer.attention_path(1, f32, True, compiled) for compiled in (True, False)] == ["spelled_out", "model"]
+
+
+def test_packed_linear_path_follows_the_thresholds_table():
+    """qlayers.PackedLinear.linear_path by (layout, tokens, compiled), the counts read from THRESHOLDS."""
+    t, layer = THRESHOLDS, qlayers.Int8Linear(64, 32)
+    layer.cpu_kernel_layout, layer.layout = True, "lanes"  # packed for kernels.py's loops
+    table = {(1, True): "loop", (t.loop_max_tokens, False): "loop", (t.loop_max_tokens + 1, True): "dequantized"}
+    assert {case: layer.linear_path(*case) for case in table} == table
+    layer.cpu_kernel_layout = False  # the unpacking expression's lanes (no kernels.py)
+    assert [layer.linear_path(1, True), layer.linear_path(1, False)] == ["matvec", "dequantized"]
+    layer.layout = "rows"  # CUDA's
+    assert [layer.linear_path(1, True), layer.linear_path(5, True)] == ["matvec", "rows"]
+    layer.tinygemm = True
+    assert layer.linear_path(1, True) == "tinygemm"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -622,7 +688,7 @@ def test_bench_kernels_prefill_parts_adds_up_and_restores_the_kernels(onednn, mo
     from scripts.bench_kernels import prefill, prefill_parts
     model = kernels.install(random_model())
     model.setup_caches(1, 320)
-    T = 300  # past 2 * PROMPT_QUERY_CHUNK: attention in chunks
+    T = 300  # past 2 * THRESHOLDS.prompt_query_chunk: attention in chunks
     tokens = torch.randint(0, 256, (1, T))
     dense, attend = kernels.dense_linear, kernels.CpuAttention.attend
     with torch.inference_mode():

@@ -13,6 +13,7 @@ import packing as P
 import qlayers as L
 import quantize as Q
 from conftest import ROOT, TEST_DEVICE, random_model, run_script, save_checkpoint
+from thresholds import THRESHOLDS
 
 
 # ---------------------------------------------------------------- round trips
@@ -125,7 +126,7 @@ def int8_activations(x):
 def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_features, groupsize, cpp_kernel,
                                                     one_thread):
     """Every path of a quantized linear. With kernels.py (CPU): up to 64 tokens
-    (qlayers.LOOP_MAX_TOKENS), eager or compiled, its int8-activation loop, which equals the dequantized
+    (THRESHOLDS.loop_max_tokens), eager or compiled, its int8-activation loop, which equals the dequantized
     weight times int8_activations(x); past that, dequantize + matmul (in bfloat16 where the CPU
     has bf16 instructions). Without it: the compiled unpacking expression for one token,
     dequantize + matmul otherwise; that path runs on the test device."""
@@ -137,8 +138,8 @@ def test_quantized_linear_equals_dequantized_matmul(kind, in_features, out_featu
         assert layer.cpu_kernel_layout == cpp_kernel  # packed for the path
         compiled = torch.compile(lambda m, v: m(v), fullgraph=True)
         for x in (torch.randn(3, 5, in_features), torch.randn(1, 17, in_features), torch.randn(2, in_features),
-                  torch.randn(1, 1, in_features), torch.randn(1, L.LOOP_MAX_TOKENS + 1, in_features)):
-            few = x.shape[:-1].numel() <= L.LOOP_MAX_TOKENS
+                  torch.randn(1, 1, in_features), torch.randn(1, THRESHOLDS.loop_max_tokens + 1, in_features)):
+            few = x.shape[:-1].numel() <= THRESHOLDS.loop_max_tokens
             exact = F.linear(int8_activations(x) if cpp_kernel and few else x, w_hat, bias)
             got = layer(x.to(device)).cpu()
             if cpp_kernel and not few and kernels.ONEDNN and kernels.CPU_HAS_BF16:  # a prompt: in bfloat16
