@@ -193,19 +193,21 @@ class Scheduler:
 
     def admit(self):
         """Waiting requests join while rows and blocks allow, each on the cached blocks that hold its
-        beginning (always leaving one token to feed, whose logits give the next token) and fresh
-        blocks for the rest of its tokens so far."""
+        beginning (always leaving one token to feed, whose logits give the next token). It joins
+        only if the free blocks cover the rest of its tokens so far, beside what the running ones
+        still have to feed; it takes them as it feeds (make_room), so that blocks another request
+        is computing right now (a shared system prompt) are never taken twice."""
         with self.lock:
             while self.waiting and len(self.running) < self.max_rows:
                 req = self.waiting[0]
                 known = req.known()
                 cached, _ = self.blocks.match(known[:len(known) - 1])
                 need = self.blocks.blocks_for(len(known)) - len(cached)
-                if need > self.blocks.free_count() - sum(self.blocks.refs[b] == 0 for b in cached):
+                if need + self.promised() > self.blocks.free_count() - sum(self.blocks.refs[b] == 0 for b in cached):
                     break  # it waits for blocks; first come, first served
                 self.waiting.popleft()
                 self.blocks.acquire(cached)
-                req.blocks, req.keys = list(cached) + self.blocks.allocate(need), [self.blocks.key[b] for b in cached]
+                req.blocks, req.keys = list(cached), [self.blocks.key[b] for b in cached]
                 req.fed = req.cached_tokens = len(cached) * self.blocks.block_size
                 self.admissions += 1
                 req.admitted = self.admissions
@@ -216,6 +218,10 @@ class Scheduler:
                     lead = req.take(None)  # what the grammar forces first is prefilled with the prompt
                     if lead:
                         self.hand_out(req, lead)
+
+    def promised(self) -> int:
+        """Blocks the running requests need for the tokens they know and have no block for yet."""
+        return sum(max(0, self.blocks.blocks_for(len(r.known())) - len(r.blocks)) for r in self.running)
 
     def make_room(self, req: Request, end: int, plan: StepPlan) -> bool:
         """Blocks for req's positions up to end, preempting the most recently admitted other running

@@ -119,6 +119,32 @@ def test_a_request_waits_for_the_one_computing_its_beginning():
     assert s.counters["prefix_hits"] == 12
 
 
+def run_to_the_end(s: Scheduler) -> int:
+    """Every step of s as the engine would run it (each request's next token 7); the most blocks in use."""
+    peak = 0
+    while s.has_work():
+        plan = s.schedule()
+        peak = max(peak, s.blocks.used_count())
+        fed = {r: plan.requests.count(r) for r in plan.requests}
+        fed.update({r: len(tokens) for r, (tokens, *_) in zip(plan.chunk_requests, plan.chunks)})
+        done = [r for r, (tokens, start, *_) in zip(plan.chunk_requests, plan.chunks) if start + len(tokens) == len(r.known())]
+        s.postprocess(plan, fed, {r: 7 for r in [plan.requests[i] for i in plan.wants] + done})
+    return peak
+
+
+@pytest.mark.parametrize("fused_rows", [0, 16])
+def test_requests_that_share_a_system_prompt_hold_it_once(fused_rows):
+    """Eight requests arrive together with one 8-block system prompt and a question of a block each:
+    the blocks in use never pass the prompt once plus each request's own (question and output)."""
+    s = scheduler(num_blocks=80, rows=8, prefill_chunk=8, fused_rows=fused_rows)
+    system = list(range(100, 132))
+    requests = [Request(system + [i] * 4, 4) for i in range(8)]
+    for r in requests:
+        s.add(r)
+    assert run_to_the_end(s) <= 8 + 8 * 2
+    assert all(len(r.out) == 4 for r in requests) and s.counters["prefix_hits"] == 7 * 32
+
+
 def test_running_out_of_blocks_preempts_the_newest_request():
     s = scheduler(num_blocks=4, block_size=2, rows=2)
     old, new = Request([1, 2, 3, 4], 4), Request([7, 8, 9, 10], 4)
