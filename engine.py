@@ -108,6 +108,8 @@ class Engine:
         """A cache of kv_tokens (default max_batch_size * max_seq_length) for up to max_batch_size
         requests of up to max_seq_length tokens; what the old one held is gone."""
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        # the longest cache a step attends over, whole blocks as every bucket is: one graph serves them all
+        self.kv_limit = -(-max_seq_length // self.block_size) * self.block_size
         self.allocate(kv_tokens or max_batch_size * max_seq_length, prefix_caching)
         window = self.model.args.sliding_window if any(layer.attention.sliding for layer in self.model.layers) else None
         self.scheduler = Scheduler(self.blocks, max_batch_size, self.fused_rows, self.chunk_tokens(),
@@ -237,7 +239,7 @@ class Engine:
             if len(req.out) + 2 > req.max_new_tokens or (pos + 1) // bs >= len(req.blocks):
                 return
         last = self.last_rides
-        if self.kv_buckets and bucket(max(last.positions) + 2, self.max_seq_length) != last.kv_len:
+        if self.kv_buckets and bucket(max(last.positions) + 2, self.kv_limit) != last.kv_len:
             return
         batch = self.feeder.next_rides(last, self.last_out.view(-1, 1), last.tables)
         self.ahead = (batch, self.call_rides(batch, plan.sampling, None))
@@ -289,7 +291,7 @@ class Engine:
         one, one position further, sampling in the step, continues from it on the device."""
         rides, width = plan.rides, self.step_width(len(plan.rides))
         longest = max(pos for _, pos, _ in rides) + 1
-        kv_len = bucket(longest, self.max_seq_length) if self.kv_buckets else self.max_seq_length
+        kv_len = bucket(longest, self.kv_limit) if self.kv_buckets else self.kv_limit
         wants = plan.wants + [0] * ((width if self.pad_rows else self.min_rows) - len(plan.wants))
         sampling, mask = plan.sampling, plan.mask
         if mask is not None and len(wants) > mask.shape[0]:  # padding rows allow every token

@@ -175,7 +175,7 @@ def warm_up(engine: Engine):
 
     if engine.pad_rows:
         widths = sorted({engine.step_width(n) for n in range(1, B + 1)})
-        plans = [step(w, 0, kv - 1) for w in widths for kv in buckets(engine.max_seq_length) for _ in range(2)]
+        plans = [step(w, 0, kv - 1) for w in widths for kv in buckets(engine.kv_limit) for _ in range(2)]
     else:
         # a prompt chunk of two tokens: one more logit-less row
         grow = (engine.min_rows, 2) if fused else (min(engine.min_rows + 1, B + 1), 0)

@@ -122,10 +122,14 @@ def test_warm_up_compiles_every_step_shape():
     torch._dynamo.reset()
     serve.warm_up(engine)
     reqs = [Request(p[:4], 40) for p in prompts(16, seed=6)] + [Request([1 + i % 200 for i in range(256)], 40)]
-    widths = record_widths(engine)
+    widths, kv_lens, rides = record_widths(engine), [], engine.rides
+    engine.rides = lambda model, tokens, positions, block_size, kv_len, *args, **views: (
+        kv_lens.append(kv_len), rides(model, tokens, positions, block_size, kv_len, *args, **views))[1]
     with torch.compiler.set_stance("fail_on_recompile"):
         run_all(engine, {0: reqs[:3], 2: reqs[16:], 8: reqs[3:16]})
     assert all(r.error is None for r in reqs) and len(reqs[16].prompt) + len(reqs[16].out) > 256
+    # whole blocks, the longest too (300 tokens: 304), as the table's width in a graph cached on disk says
+    assert max(kv_lens) == 304 and all(n % engine.block_size == 0 for n in kv_lens)
     if kernels.available():
         assert max(widths) > 16 and min(widths) < 16, widths
 
