@@ -124,10 +124,11 @@ for arg in "$@"; do
              # rest of the warm-up is running (Triton's first launches and autotuning, graph recording)
       timeout -k 10 "$secs" python3 - <<'PY'
 import time, torch, serve
-from engine import BatchEngine, load_model
+from engine import Engine
+from loading import load_model
 from torch._dynamo.utils import compile_times
 model = load_model("checkpoints/smollm2-135m", torch.device("cuda"), torch.bfloat16)
-engine = BatchEngine(model, 16, 392, compile=True)
+engine = Engine.for_serving(model, 16, 392, compile=True)
 t = time.perf_counter()
 serve.warm_up(engine)
 print(f"warm-up {time.perf_counter() - t:.1f} s")

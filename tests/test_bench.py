@@ -57,6 +57,20 @@ def write_gguf(path, names):
     return path
 
 
+def test_ab_decode_reports_the_median_round_ratio_and_its_interval():
+    """scripts.ab_decode: per weight setting, the median of the rounds' after/before ratios, the
+    rounds where after was ahead (lower is better for TTFT), and a bootstrap interval around it."""
+    from scripts.ab_decode import summary
+    rounds = [{"weights": "int8", "after": {"decode": a, "ttft_ms": 10.0}, "before": {"decode": 100.0, "ttft_ms": t}}
+              for a, t in ((90.0, 8.0), (105.0, 12.0), (110.0, 12.0), (98.0, 9.0), (102.0, 11.0))]
+    rounds.append({"weights": "float32", "after": {"decode": 1.0, "ttft_ms": 1.0}, "before": {"decode": 9.0, "ttft_ms": 1.0}})
+    decode = summary(rounds, "int8", "decode", True)
+    assert decode["median_ratio"] == 1.02 and decode["rounds"] == 5 and decode["rounds_after_ahead"] == 3
+    assert 0.9 <= decode["ci95"][0] <= 1.02 <= decode["ci95"][1] <= 1.1
+    ttft = summary(rounds, "int8", "ttft_ms", False)
+    assert ttft["rounds_after_ahead"] == 3 and abs(ttft["median_ratio"] - 10 / 11) < 1e-12
+
+
 def test_peer_bytes_count_an_untied_embedding_table_as_one_row(tmp_path):
     from scripts.bench_peers import gguf_tensor_bytes
     tied = write_gguf(tmp_path / "tied.gguf", ["token_embd.weight", "blk.0.ffn_up.weight"])
