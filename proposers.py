@@ -88,7 +88,9 @@ class Proposer(ABC):
         (this default) are proposed as usual, and the engine cuts them where the grammar objects."""
         drafts, q = self.propose(context, k, sampling)
         if q is not None and constraint is not None:
-            raise NotImplementedError(f"the {self.name} proposer cannot propose under a grammar")
+            # a proposal drawn from q unmasked would make verification accept from the wrong distribution
+            raise TypeError(f"the {self.name} proposer draws from distributions: it must override "
+                            "propose_on_host to propose under a grammar")
         return drafts, q
 
     def accepted(self, n: int):

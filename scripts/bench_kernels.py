@@ -361,6 +361,24 @@ def bench_gemm(args: ModelArgs, options):
                 print(f"| {kind} {out}x{inp} | {T} | " + " | ".join(cells) + " |")
 
 
+def paged_pools(args: ModelArgs, dtype: str) -> tuple:
+    """Every layer's key and value pools of 17 x 4,096 slots (so that a step reads them from memory):
+    (kv heads, query group, layers, 4096, head_dim, [(k, v)])."""
+    H, G, L, S = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.n_layers, 4096
+    D = args.head_dim or args.dim // args.n_heads
+    caches = [(torch.randn(17 * S, H, D).to(getattr(torch, dtype)), torch.randn(17 * S, H, D).to(getattr(torch, dtype)))
+              for _ in range(L)]
+    return H, G, L, S, D, caches
+
+
+def scattered_slots(block_size: int, S: int, seed: int) -> torch.Tensor:
+    """The slots (16, S) of 16 sequences of S positions whose blocks are scattered over the pool."""
+    per_row = S // block_size
+    tables = torch.randperm(17 * per_row, generator=torch.Generator().manual_seed(seed))[:16 * per_row].view(16, -1)
+    positions = torch.arange(S)
+    return tables[:, positions // block_size] * block_size + positions % block_size
+
+
 def bench_attend(args: ModelArgs, options) -> dict:
     """A batch step's attention over every layer (kernels.attend, milliseconds a step) and the
     rate it reads keys and values at, over a server's paged cache (a pool of 17 x 4,096 slots a
@@ -370,14 +388,8 @@ def bench_attend(args: ModelArgs, options) -> dict:
     if not kernels.available():
         print("attend: the kernels could not be built here", file=sys.stderr)
         return {}
-    H, G, L, S = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.n_layers, 4096
-    D = args.head_dim or args.dim // args.n_heads
-    dtype = getattr(torch, options.dtype)
-    caches = [(torch.randn(17 * S, H, D).to(dtype), torch.randn(17 * S, H, D).to(dtype)) for _ in range(L)]
-    per_row = S // BLOCK_SIZE
-    tables = torch.randperm(17 * per_row, generator=torch.Generator().manual_seed(0))[:16 * per_row].view(16, -1)
-    positions = torch.arange(S)
-    row_slots = tables[:, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE  # (16, S)
+    H, G, L, S, D, caches = paged_pools(args, options.dtype)
+    row_slots = scattered_slots(BLOCK_SIZE, S, seed=0)
     print(f"| {options.dtype} cache: rows | position | ms a step | keys and values read (GB/s) |\n|---|---|---|---|")
     result = {}
     with torch.inference_mode():
@@ -404,10 +416,7 @@ def bench_blocks(args: ModelArgs, options) -> dict:
     if not kernels.available():
         print("blocks: the kernels could not be built here", file=sys.stderr)
         return {}
-    H, G, L, S = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.n_layers, 4096
-    D = args.head_dim or args.dim // args.n_heads
-    dtype = getattr(torch, options.dtype)
-    caches = [(torch.randn(17 * S, H, D).to(dtype), torch.randn(17 * S, H, D).to(dtype)) for _ in range(L)]
+    H, G, L, S, D, caches = paged_pools(args, options.dtype)
     sizes, result = (16, 32, 64, 128, 256), {}
     print(f"| {options.dtype} cache: rows | position | " + " | ".join(f"{b}-token blocks (ms)" for b in sizes)
           + " |\n|---|---|" + "---|" * len(sizes))
@@ -419,10 +428,7 @@ def bench_blocks(args: ModelArgs, options) -> dict:
             mask[..., pos:] = float("-inf")
             steps = {}
             for bs in sizes:
-                per_row = S // bs
-                tables = torch.randperm(17 * per_row, generator=torch.Generator().manual_seed(bs))[:16 * per_row]
-                positions = torch.arange(width)
-                slots = tables.view(16, -1)[:B, positions // bs] * bs + positions % bs  # (B, width)
+                slots = scattered_slots(bs, S, seed=bs)[:B, :width]  # (B, width)
                 steps[bs] = lambda slots=slots: [kernels.attend(q, k, v, mask, D ** -0.5, 0.0, slots)
                                                  for k, v in caches]
             ms = timed(steps, options.rounds, 2)

@@ -16,6 +16,7 @@ the F32 or Q8_0 GGUF of the same weights, built by scripts/build_llama_server.sh
 at a running server. Every request gets the same prompt ids on every engine.
 """
 import argparse
+import contextlib
 import http.client
 import json
 import math
@@ -288,6 +289,18 @@ def run_transformers(args, prompts: list, warmup: list, concurrency: int) -> lis
     return json.loads(io.read_text())
 
 
+@contextlib.contextmanager
+def warmed_up(started: tuple, vocab: int, seed: int):
+    """A started server (proc, url) after two short requests of other prompts (first-use costs out
+    of the figures, nothing of the measured prompts cached); stopped on the way out."""
+    proc, url = started
+    try:
+        run_load(url, random_prompts(2, 32, vocab, seed=seed), 4, 2)
+        yield url
+    finally:
+        stop(proc)
+
+
 def workload_throughput(args, starters: dict) -> list:
     """Random prompts at each concurrency, every engine; the engines alternate within each level."""
     rows = []
@@ -357,16 +370,13 @@ def workload_shared_prefix(args, starters: dict) -> list:
     print(HEADER)
     for label, extra in variants.items():
         with open(args.logdir / f"{label.replace(' ', '_').replace(',', '')}.log", "w") as logfile:
-            proc, url = start_ours(args, 4, args.prefix_len + args.suffix_len + 40, logfile, extra)
-        try:
-            run_load(url, random_prompts(2, 32, args.vocab, seed=1002), 4, 2)  # warm-up
+            started = start_ours(args, 4, args.prefix_len + args.suffix_len + 40, logfile, extra)
+        with warmed_up(started, args.vocab, 1002) as url:
             s = summarize(run_load(url, prompts, 32, 4))
             s.update(engine=label, workload="shared-prefix", precision=args.precision, prefix_len=args.prefix_len,
                      suffix_len=args.suffix_len)
             print_row(label, s)
             rows.append(s)
-        finally:
-            stop(proc)
     on, off = rows
     print(f"  median TTFT with reuse / without: {on['ttft_median_ms'] / off['ttft_median_ms']:.2f}", flush=True)
     return rows
@@ -387,9 +397,7 @@ def workload_system_prompt(args, starters: dict) -> list:
     rows = []
     print(HEADER)
     for name, label, extra in variants:
-        proc, url = starters[name](args, n, ctx, extra)
-        try:
-            run_load(url, random_prompts(2, 32, args.vocab, seed=1002), 4, 2)  # warm-up
+        with warmed_up(starters[name](args, n, ctx, extra), args.vocab, 1002) as url:
             with MetricsPoller(url, ("minillm_kv_cache_usage", "minillm_kv_cache_blocks_total")) as metrics:
                 s = summarize(run_load(url, prompts, out, n))
             blocks = metrics.peak("minillm_kv_cache_usage") * metrics.peak("minillm_kv_cache_blocks_total")
@@ -403,8 +411,6 @@ def workload_system_prompt(args, starters: dict) -> list:
             print(f"  peak KV tokens {s['peak_kv_tokens']:.0f} = {s['peak_kv_over_own']:.2f}x the prefix once "
                   f"plus each request's own ({own})", flush=True)
             rows.append(s)
-        finally:
-            stop(proc)
     for name in starters:
         on, off = [r for r in rows if r["engine"].startswith(name + ",")]
         print(f"  {name}: median TTFT with the prefix cache / without: "
@@ -425,9 +431,7 @@ def workload_mixed_lengths(args, starters: dict) -> list:
     rows = []
     print(HEADER)
     for name, start in starters.items():
-        proc, url = start(args, args.slots, ctx, (), paged=True)
-        try:
-            run_load(url, random_prompts(2, 32, args.vocab, seed=1003), 4, 2)  # warm-up
+        with warmed_up(start(args, args.slots, ctx, (), paged=True), args.vocab, 1003) as url:
             with MetricsPoller(url, ("minillm_requests_running",), every=0.1) as metrics:
                 s = summarize(run_load(url, prompts, out, n))
             s.update(engine=name, workload="mixed-lengths", precision=args.precision, kv_tokens=args.slots * ctx,
@@ -437,8 +441,6 @@ def workload_mixed_lengths(args, starters: dict) -> list:
             print(f"  running at once: mean {s['running_mean']:.1f}, peak {s['running_peak']:.0f}; "
                   f"{s['requests']} of {n} served in {s['duration_s']:.0f} s", flush=True)
             rows.append(s)
-        finally:
-            stop(proc)
     return rows
 
 
