@@ -25,6 +25,7 @@ from torch import Tensor
 
 import kernels
 from blocks import BlockManager
+from checkpoint import huge_page_zeros
 from compile import compile_step, guards_skipped, tag_compile_cache
 from errors import UserError
 from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides
@@ -144,7 +145,8 @@ class Engine:
                 kv_cache_bytes(self.model, 1, window_slots, dtype) * sliding.count(True) // len(sliding)
         check_memory([Need("the KV cache", need, "lower the batch size or the sequence length",
                            f" for {num_blocks * bs} tokens")], self.device)
-        self.model.setup_caches(1, self.max_seq_length, num_slots=slots, window_slots=window_slots)
+        self.model.setup_caches(1, self.max_seq_length, num_slots=slots, window_slots=window_slots,
+                                zeros=huge_page_zeros)  # read as weights are, a step at a time
         self.feeder = Feeder(bs, self.device, num_blocks, self.window_blocks.num_blocks if window_slots else None)
         self.last_rides = self.last_out = self.ahead = None
 

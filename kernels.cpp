@@ -861,6 +861,15 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
+// A paged cache's keys and values are reached through a block table, which the hardware
+// prefetcher cannot follow: `attend` asks for a row PREFETCH_AHEAD keys ahead itself.
+constexpr int64_t PREFETCH_AHEAD = 16;
+template <typename KV>
+inline void prefetch_row(const KV* p, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 // q . k as 8 partial sums, one multiply-add chain over D (so a key's score never depends on its
 // neighbours'); with AVX-512, 16 lanes folded to 8.
 template <typename KV>
@@ -877,56 +886,82 @@ inline __m256 key_dot(const float* q, const KV* k, int64_t D) {
   return s;
 }
 
-// out[0, 8W) = inv * sum_j p_j v_j[0, 8W), value j at v + off[j]: W accumulators in registers,
-// keys of weight 0 skipped
+// Where a row's keys and values sit: key j at k + off[j], value j at v + off[j]; ks, the step
+// between two keys of one block (8 keys in one block are addressed as a row's, without a load
+// each); fetch: whether this row asks for them PREFETCH_AHEAD keys ahead (the first query row of
+// a head brings them in, the others find them cached).
+struct KeyPlaces {
+  const int64_t* off;
+  int64_t ks;
+  bool fetch;
+};
+
+// f(p_j, value j) for each key j < n of nonzero weight, in order, 8 keys at a time; values
+// prefetched `width` elements wide
+template <typename KV, typename F>
+inline void each_value(const float* p, int64_t n, const KV* v, const KeyPlaces& at, int64_t width, F f) {
+  for (int64_t j = 0; j < n; j += 8) {
+    const int64_t c = std::min<int64_t>(8, n - j);
+    for (int64_t i = j + PREFETCH_AHEAD; at.fetch && i < std::min(j + PREFETCH_AHEAD + 8, n); ++i)
+      prefetch_row(v + at.off[i], width);
+    if (c == 8 && at.off[j + 7] == at.off[j] + 7 * at.ks) {
+      const KV* vj = v + at.off[j];
+      for (int i = 0; i < 8; ++i)
+        if (p[j + i] != 0.f) f(p[j + i], vj + i * at.ks);
+    } else {
+      for (int i = 0; i < c; ++i)
+        if (p[j + i] != 0.f) f(p[j + i], v + at.off[j + i]);
+    }
+  }
+}
+
+// out[0, 8W) = inv * sum_j p_j v_j[0, 8W): W accumulators in registers, keys of weight 0 skipped
 template <int W, typename KV>
-inline void weigh_values(const float* p, int64_t n, const KV* v, const int64_t* off, float inv, float* out) {
+inline void weigh_values(const float* p, int64_t n, const KV* v, const KeyPlaces& at, float inv, float* out) {
   __m256 acc[W];
   for (int i = 0; i < W; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    if (p[j] == 0.f) continue;
-    __m256 pj = _mm256_set1_ps(p[j]);
-    for (int i = 0; i < W; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(v + off[j] + 8 * i), acc[i]);
-  }
+  each_value(p, n, v, at, 8 * W, [&](float w, const KV* vj) {
+    const __m256 pj = _mm256_set1_ps(w);
+    for (int i = 0; i < W; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(vj + 8 * i), acc[i]);
+  });
   for (int i = 0; i < W; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
 }
 
 #ifdef __AVX512F__
 template <int W, typename KV>  // as above, 16 lanes: a 256-wide head in one pass over the weights
-inline void weigh_values16(const float* p, int64_t n, const KV* v, const int64_t* off, float inv, float* out) {
+inline void weigh_values16(const float* p, int64_t n, const KV* v, const KeyPlaces& at, float inv, float* out) {
   __m512 acc[W];
   for (int i = 0; i < W; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    if (p[j] == 0.f) continue;
-    __m512 pj = _mm512_set1_ps(p[j]);
-    for (int i = 0; i < W; ++i) acc[i] = _mm512_fmadd_ps(pj, load16(v + off[j] + 16 * i), acc[i]);
-  }
+  each_value(p, n, v, at, 16 * W, [&](float w, const KV* vj) {
+    const __m512 pj = _mm512_set1_ps(w);
+    for (int i = 0; i < W; ++i) acc[i] = _mm512_fmadd_ps(pj, load16(vj + 16 * i), acc[i]);
+  });
   for (int i = 0; i < W; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
 }
 #endif
 
 template <typename KV>
-void weigh_all_values(const float* p, int64_t n, const KV* v, const int64_t* off, int64_t D, float inv, float* out) {
+void weigh_all_values(const float* p, int64_t n, const KV* v, const KeyPlaces& at, int64_t D, float inv, float* out) {
 #ifdef __AVX512F__
   if (D % 16 == 0 && D <= 256) {
     switch (D / 16) {  // the accumulators' count fixed at compile time, so they stay in registers
-      case 16: return weigh_values16<16>(p, n, v, off, inv, out);
-      case 8: return weigh_values16<8>(p, n, v, off, inv, out);
-      case 4: return weigh_values16<4>(p, n, v, off, inv, out);
+      case 16: return weigh_values16<16>(p, n, v, at, inv, out);
+      case 8: return weigh_values16<8>(p, n, v, at, inv, out);
+      case 4: return weigh_values16<4>(p, n, v, at, inv, out);
       default: break;
     }
   }
 #endif
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     switch (std::min<int64_t>(64, D - d0) / 8) {
-      case 8: weigh_values<8>(p, n, v + d0, off, inv, out + d0); break;
-      case 7: weigh_values<7>(p, n, v + d0, off, inv, out + d0); break;
-      case 6: weigh_values<6>(p, n, v + d0, off, inv, out + d0); break;
-      case 5: weigh_values<5>(p, n, v + d0, off, inv, out + d0); break;
-      case 4: weigh_values<4>(p, n, v + d0, off, inv, out + d0); break;
-      case 3: weigh_values<3>(p, n, v + d0, off, inv, out + d0); break;
-      case 2: weigh_values<2>(p, n, v + d0, off, inv, out + d0); break;
-      default: weigh_values<1>(p, n, v + d0, off, inv, out + d0); break;
+      case 8: weigh_values<8>(p, n, v + d0, at, inv, out + d0); break;
+      case 7: weigh_values<7>(p, n, v + d0, at, inv, out + d0); break;
+      case 6: weigh_values<6>(p, n, v + d0, at, inv, out + d0); break;
+      case 5: weigh_values<5>(p, n, v + d0, at, inv, out + d0); break;
+      case 4: weigh_values<4>(p, n, v + d0, at, inv, out + d0); break;
+      case 3: weigh_values<3>(p, n, v + d0, at, inv, out + d0); break;
+      case 2: weigh_values<2>(p, n, v + d0, at, inv, out + d0); break;
+      default: weigh_values<1>(p, n, v + d0, at, inv, out + d0); break;
     }
   }
 }
@@ -936,7 +971,7 @@ void weigh_all_values(const float* p, int64_t n, const KV* v, const int64_t* off
 // Scores go 8 keys at a time, each key's dot product read front to back (so the hardware
 // prefetcher sees one sequential stream) and the 8 sums reduced together; p holds S + 8 floats.
 template <typename KV>
-void attend_row(const float* q, const KV* k, const KV* v, const int64_t* off, const float* m, int64_t S,
+void attend_row(const float* q, const KV* k, const KV* v, KeyPlaces at, const float* m, int64_t S,
                 int64_t D, float scale, float softcap, float* out, float* p) {
   const float NEG = -std::numeric_limits<float>::infinity();
   const __m256 neg = _mm256_set1_ps(NEG);
@@ -949,12 +984,19 @@ void attend_row(const float* q, const KV* k, const KV* v, const int64_t* off, co
   while (hi - lo >= 8 && masked8(lo)) lo += 8;
   while (lo < hi && m[lo] == NEG) ++lo;
   const int64_t n = hi - lo;
-  off += lo, m += lo;
+  at.off += lo, m += lo;
+  const int64_t* off = at.off;
   __m256 vmax = neg;
   for (int64_t j = 0; j < n; j += 8) {
     const int64_t c = std::min<int64_t>(8, n - j);
+    for (int64_t i = j + PREFETCH_AHEAD; at.fetch && i < std::min(j + PREFETCH_AHEAD + 8, n); ++i) prefetch_row(k + off[i], D);
     __m256 a[8];
-    for (int i = 0; i < 8; ++i) a[i] = i < c ? key_dot(q, k + off[j + i], D) : _mm256_setzero_ps();
+    if (c == 8 && off[j + 7] == off[j] + 7 * at.ks) {
+      const KV* kj = k + off[j];
+      for (int i = 0; i < 8; ++i) a[i] = key_dot(q, kj + i * at.ks, D);
+    } else {
+      for (int i = 0; i < 8; ++i) a[i] = i < c ? key_dot(q, k + off[j + i], D) : _mm256_setzero_ps();
+    }
     alignas(32) float t[8];
     __m256 s = _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale));
     if (softcap > 0) {
@@ -983,7 +1025,7 @@ void attend_row(const float* q, const KV* k, const KV* v, const int64_t* off, co
     _mm256_storeu_ps(p + j, e);
     total = _mm256_add_ps(total, e);
   }
-  weigh_all_values(p, n, v, off, D, n > 0 ? 1.f / hsum(total) : 0.f, out);
+  weigh_all_values(p, n, v, at, D, n > 0 ? 1.f / hsum(total) : 0.f, out);
 }
 
 // q (B, H, R, D) float32 with R = group * T query rows per KV head (row g * T + t is query t);
@@ -1004,22 +1046,24 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               mask.size(0) == B && mask.size(3) == S && R % T == 0 && (paged || k.size(0) == B) &&
               (!paged || (slots->scalar_type() == at::kLong && slots->dim() == 2 && slots->size(0) == B)),
               "attend: shapes");
-  // off[b * S + s]: where row b's key s starts, in elements from the pool (or the row), for k and v alike
   const int64_t key_stride = paged ? k.stride(0) : k.stride(2);
   auto same_stride = [&](int64_t d) { return k.size(d) == 1 || k.stride(d) == v.stride(d); };  // (a size-1 dim's is moot)
   TORCH_CHECK(same_stride(0) && same_stride(1) && (paged || same_stride(2)), "attend: k and v strides");
-  std::vector<int64_t> off(B * S);
-  if (paged) {
-    auto sc = slots->contiguous();
-    const int64_t* sp = sc.data_ptr<int64_t>();
-    for (int64_t i = 0; i < B * S; ++i) {
-      TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "attend: slot out of range");
-      off[i] = sp[i] * key_stride;
-    }
-  } else {
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t s = 0; s < S; ++s) off[b * S + s] = b * k.stride(0) + s * key_stride;
+  at::Tensor sc = paged ? slots->contiguous() : at::Tensor();
+  if (paged && sc.numel() > 0) {
+    auto [lowest, highest] = at::aminmax(sc);
+    TORCH_CHECK(lowest.item<int64_t>() >= 0 && highest.item<int64_t>() < k.size(0), "attend: slot out of range");
   }
+  // offsets(b, off): where row b's key s starts, in elements from the pool (or the row), for k and v
+  // alike; each thread fills them for the rows it takes
+  auto offsets = [&](int64_t b, int64_t* off) {
+    if (paged) {
+      const int64_t* sp = sc.data_ptr<int64_t>() + b * S;
+      for (int64_t s = 0; s < S; ++s) off[s] = sp[s] * key_stride;
+    } else {
+      for (int64_t s = 0; s < S; ++s) off[s] = b * k.stride(0) + s * key_stride;
+    }
+  };
   auto qc = q.contiguous();
   auto mc = mask.contiguous();
   auto out = at::empty({B, H, R, D}, q.options());
@@ -1029,10 +1073,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t head_stride = k.stride(1);
   auto run = [&](auto* kp, auto* vp, int64_t r0, int64_t r1) {
     std::vector<float> p(S + 8);
-    for (int64_t i = r0; i < r1; ++i) {
+    std::vector<int64_t> off(S);
+    for (int64_t i = r0, filled = -1; i < r1; ++i) {
       int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
-      attend_row(qp + i * D, kp + h * head_stride, vp + h * head_stride, off.data() + b * S, mp + (b * T + r % T) * S,
-                 S, D, static_cast<float>(scale), static_cast<float>(softcap), op + i * D, p.data());
+      if (b != filled) offsets(b, off.data()), filled = b;
+      const KeyPlaces at{off.data(), key_stride, r == 0 || i == r0};  // a head's first row here fetches
+      attend_row(qp + i * D, kp + h * head_stride, vp + h * head_stride, at, mp + (b * T + r % T) * S, S, D,
+                 static_cast<float>(scale), static_cast<float>(softcap), op + i * D, p.data());
     }
   };
   at::parallel_for(0, B * H * R, 1, [&](int64_t r0, int64_t r1) {

@@ -197,11 +197,11 @@ class KVCache(nn.Module):
     """One layer's keys and values: a pool of slots (num_slots, n_kv_heads, head_dim), written and
     read through a ForwardBatch's slots and block tables."""
 
-    def __init__(self, num_slots: int, n_kv_heads: int, head_dim: int, dtype, device=None):
+    def __init__(self, num_slots: int, n_kv_heads: int, head_dim: int, dtype, device=None, zeros=torch.zeros):
         super().__init__()
         shape = (num_slots, n_kv_heads, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor):
         """k, v (B, n_kv_heads, T, head_dim) to slots (B, T)."""
@@ -482,11 +482,11 @@ class Transformer(nn.Module):
         self.regional = False  # under torch.compile: compile one layer and reuse it (block_region)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None,
-                     num_slots: Optional[int] = None, window_slots: Optional[int] = None):
+                     num_slots: Optional[int] = None, window_slots: Optional[int] = None, zeros=torch.zeros):
         """Preallocate every layer's slot pool, num_slots of them (default max_batch_size *
         max_seq_length: ForwardBatch.rows' layout, row b from slot b * max_seq_length), or for
-        sliding-window layers window_slots when they have pools of their own; call again to resize
-        (the old contents are lost)."""
+        sliding-window layers window_slots when they have pools of their own, each from
+        zeros(shape, dtype=, device=); call again to resize (the old contents are lost)."""
         dtype = dtype or self.norm.weight.dtype  # norms stay float in quantized models too
         device = device or self.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
@@ -497,7 +497,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             a = layer.attention
             slots = window_slots if a.sliding and window_slots else self.num_slots
-            a.kv_cache = KVCache(slots, a.n_kv_heads, a.head_dim, dtype, device)
+            a.kv_cache = KVCache(slots, a.n_kv_heads, a.head_dim, dtype, device, zeros)
 
     def masks(self, positions: Tensor, kv_len: int, dtype: torch.dtype,
               sdpa_causal: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:

@@ -215,6 +215,16 @@ def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dt
                 assert torch.equal(alone[0, 0], out[b, h]), (softcap, b, h)
 
 
+def test_attend_refuses_a_slot_outside_its_pool():
+    if not kernels.available():
+        pytest.fail("the kernels could not be built here")
+    q, pool, mask = torch.randn(2, 1, 1, 16), torch.randn(32, 1, 16), torch.zeros(2, 1, 1, 4)
+    for bad in (32, -1):
+        slots = torch.tensor([[0, 1, 2, 3], [4, 5, bad, 7]])
+        with pytest.raises(RuntimeError, match="slot out of range"):
+            kernels.attend(q, pool, pool, mask, 0.25, 0.0, slots)
+
+
 def test_kernels_give_the_same_bits_with_any_thread_count():
     # the loops split output rows (or attention rows) between threads, never a sum: the test suite
     # runs one thread per worker, so the split itself is checked here

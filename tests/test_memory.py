@@ -181,6 +181,21 @@ def test_huge_page_block_is_aligned_zeroed_advised_and_outlives_its_views():
     assert checkpoint.huge_page_block(1000).numel() == 1000  # small: plain memory
 
 
+def test_the_engines_kv_pools_are_zeros_on_huge_pages():
+    from engine import Engine
+    model = random_model()
+    engine = Engine.for_serving(model, 4, 2048, kv_tokens=20000)  # 2.6 MB a pool
+    pool = model.layers[0].attention.kv_cache.k_cache
+    assert pool.shape == (engine.blocks.num_blocks * 16 + 16, 2, 16) and not pool.any()
+    assert pool.nbytes > checkpoint.HUGE_PAGE and pool.data_ptr() % checkpoint.HUGE_PAGE == 0
+    big = checkpoint.huge_page_zeros((3 * checkpoint.HUGE_PAGE // 8 + 5, 2), torch.float32, "cpu")
+    assert big.shape == (3 * checkpoint.HUGE_PAGE // 8 + 5, 2) and not big.any()
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert big.data_ptr() % checkpoint.HUGE_PAGE == 0 and "hg" in vma_flags(big.data_ptr())
+    small = checkpoint.huge_page_zeros((3, 5), torch.bfloat16, "cpu")  # under a page: plain memory, zeroed too
+    assert small.dtype == torch.bfloat16 and not small.any()
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_streamed_int8_rows_are_read_into_one_block_off_the_file_mapping(tmp_path, tied):
     """The int8 rows that a decode step streams (linear layers; the embedding only where the head
