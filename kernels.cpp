@@ -9,6 +9,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <vector>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -1050,20 +1051,23 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   auto same_stride = [&](int64_t d) { return k.size(d) == 1 || k.stride(d) == v.stride(d); };  // (a size-1 dim's is moot)
   TORCH_CHECK(same_stride(0) && same_stride(1) && (paged || same_stride(2)), "attend: k and v strides");
   at::Tensor sc = paged ? slots->contiguous() : at::Tensor();
-  if (paged && sc.numel() > 0) {
-    auto [lowest, highest] = at::aminmax(sc);
-    TORCH_CHECK(lowest.item<int64_t>() >= 0 && highest.item<int64_t>() < k.size(0), "attend: slot out of range");
-  }
   // offsets(b, off): where row b's key s starts, in elements from the pool (or the row), for k and v
-  // alike; each thread fills them for the rows it takes
+  // alike, filled by the thread that takes the row; false if a slot is outside the pool
   auto offsets = [&](int64_t b, int64_t* off) {
-    if (paged) {
-      const int64_t* sp = sc.data_ptr<int64_t>() + b * S;
-      for (int64_t s = 0; s < S; ++s) off[s] = sp[s] * key_stride;
-    } else {
+    if (!paged) {
       for (int64_t s = 0; s < S; ++s) off[s] = b * k.stride(0) + s * key_stride;
+      return true;
     }
+    const int64_t* sp = sc.data_ptr<int64_t>() + b * S;
+    const int64_t pool = k.size(0);
+    bool inside = true;
+    for (int64_t s = 0; s < S; ++s) {
+      inside &= sp[s] >= 0 && sp[s] < pool;
+      off[s] = sp[s] * key_stride;
+    }
+    return inside;
   };
+  std::atomic<bool> outside{false};
   auto qc = q.contiguous();
   auto mc = mask.contiguous();
   auto out = at::empty({B, H, R, D}, q.options());
@@ -1074,9 +1078,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   auto run = [&](auto* kp, auto* vp, int64_t r0, int64_t r1) {
     std::vector<float> p(S + 8);
     std::vector<int64_t> off(S);
+    bool inside = true;
     for (int64_t i = r0, filled = -1; i < r1; ++i) {
       int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
-      if (b != filled) offsets(b, off.data()), filled = b;
+      if (b != filled) inside = offsets(b, off.data()), filled = b;
+      if (!inside) {  // nothing read; refused below
+        outside = true;
+        continue;
+      }
       const KeyPlaces at{off.data(), key_stride, r == 0 || i == r0};  // a head's first row here fetches
       attend_row(qp + i * D, kp + h * head_stride, vp + h * head_stride, at, mp + (b * T + r % T) * S, S, D,
                  static_cast<float>(scale), static_cast<float>(softcap), op + i * D, p.data());
@@ -1086,6 +1095,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     if (k.scalar_type() == at::kFloat) run(k.data_ptr<float>(), v.data_ptr<float>(), r0, r1);
     else run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), r0, r1);
   });
+  TORCH_CHECK(!outside, "attend: slot out of range");
   return out;
 }
 
