@@ -31,7 +31,7 @@ import kernels
 import packing
 import qlayers
 import quantize as Q
-from checkpoint import write_json
+from checkpoint import huge_page_zeros, write_json
 from engine import BLOCK_SIZE
 from forwards import bucket, forward_chunk, forward_rides
 from loading import load_model
@@ -362,12 +362,12 @@ def bench_gemm(args: ModelArgs, options):
 
 
 def paged_pools(args: ModelArgs, dtype: str) -> tuple:
-    """Every layer's key and value pools of 17 x 4,096 slots (so that a step reads them from memory):
-    (kv heads, query group, layers, 4096, head_dim, [(k, v)])."""
+    """Every layer's key and value pools of 17 x 4,096 slots (so that a step reads them from memory),
+    on 2 MB pages as the engine's are: (kv heads, query group, layers, 4096, head_dim, [(k, v)])."""
     H, G, L, S = args.n_kv_heads, args.n_heads // args.n_kv_heads, args.n_layers, 4096
     D = args.head_dim or args.dim // args.n_heads
-    caches = [(torch.randn(17 * S, H, D).to(getattr(torch, dtype)), torch.randn(17 * S, H, D).to(getattr(torch, dtype)))
-              for _ in range(L)]
+    caches = [tuple(huge_page_zeros((17 * S, H, D), getattr(torch, dtype), "cpu").copy_(torch.randn(17 * S, H, D))
+                    for _ in "kv") for _ in range(L)]
     return H, G, L, S, D, caches
 
 
