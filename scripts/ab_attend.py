@@ -7,13 +7,9 @@ checkout puts them there); one before it, contiguous rows. Microseconds a layer,
 
     git worktree add /tmp/before 7cefa95
     python -m scripts.ab_attend . /tmp/before . /tmp/before --json benchmarks/step-attend.json"""
-import argparse
-import json
 import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
+
+from scripts.serve_steps import run_in_trees, tree_arguments
 
 WORKER = r'''
 import inspect, json, statistics, sys, time, torch
@@ -60,23 +56,12 @@ print(json.dumps({k: statistics.median(v) for k, v in times.items()}))
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m scripts.ab_attend", description=__doc__.split("\n\n")[0])
-    p.add_argument("trees", nargs="+", type=Path, help="checkouts, run in this order (name one twice to alternate)")
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
-    runs = []
-    for tree in args.trees:
-        r = subprocess.run([sys.executable, "-c", WORKER], cwd=tree, capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(f"error: {tree}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
-        runs.append({"tree": str(tree), **json.loads(r.stdout.strip().splitlines()[-1])})
-        print(json.dumps(runs[-1]), flush=True)
+    args = tree_arguments("python -m scripts.ab_attend", __doc__, argv)
+    runs = run_in_trees(WORKER, args.trees, args.json)
     for tree in dict.fromkeys(run["tree"] for run in runs):
         mine = [run for run in runs if run["tree"] == tree]
         print(f"{tree}: " + ", ".join(f"{k} {statistics.median(r[k] for r in mine):.0f} us a layer"
                                       for k in ("16 rows", "64 rows")))
-    if args.json:
-        args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -53,25 +53,37 @@ print(json.dumps({"total_s": total, "steps": len(times), "out_tok_s": sum(len(r.
 '''
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m scripts.serve_steps", description=__doc__.split("\n\n")[0])
+def tree_arguments(prog: str, doc: str, argv=None) -> argparse.Namespace:
+    """The command line of a script that runs a worker in each checkout named: trees, --json."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     p.add_argument("trees", nargs="+", type=Path, help="checkouts, run in this order (name one twice to alternate)")
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run_in_trees(worker: str, trees: list, json_path=None) -> list:
+    """worker (Python source printing a JSON line last) run in each checkout in turn, one process
+    each: a dict per run, with its tree; written to json_path with the date and command line."""
     runs = []
-    for tree in args.trees:
-        r = subprocess.run([sys.executable, "-c", WORKER], cwd=tree, capture_output=True, text=True)
+    for tree in trees:
+        r = subprocess.run([sys.executable, "-c", worker], cwd=tree, capture_output=True, text=True)
         if r.returncode != 0:
             sys.exit(f"error: {tree}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
         runs.append({"tree": str(tree), **json.loads(r.stdout.strip().splitlines()[-1])})
         print(json.dumps(runs[-1]), flush=True)
+    if json_path:
+        json_path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "runs": runs}, indent=1))
+    return runs
+
+
+def main(argv=None):
+    args = tree_arguments("python -m scripts.serve_steps", __doc__, argv)
+    runs = run_in_trees(WORKER, args.trees, args.json)
     by_tree = {}
     for run in runs:
         by_tree.setdefault(run["tree"], []).append(run["out_tok_s"])
     for tree, rates in by_tree.items():
         print(f"{tree}: {statistics.median(rates):.1f} tok/s (median of {len(rates)})")
-    if args.json:
-        args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
