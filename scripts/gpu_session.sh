@@ -20,6 +20,9 @@
 #                                      DTYPES=bfloat16 QUANT= bash scripts/gpu_session.sh decode:500
 #   or, short of time: call 1 "info parta batching:120", call 2 "model warmup:200 serve:200" (serve.py's
 #   warm-up took 147 s on an H100 with empty caches, 93 s with warm ones: the `warmup` stage says where).
+# What fits in 15 minutes of device time (H200, 2026-11-28, 8 workers): the start ~30 s, tests1:250 ran
+# 317 of its tests, tests2:300 ran 463 of its; a serve stage after them did not finish the warm-up in
+# 200 s. Run the half that matters first, with the tests named (pytest -k) when only some matter.
 # Results (logs, JSON) go to $OUT (default /tmp/out).
 set -u
 cd "$(dirname "$0")/.."
@@ -70,7 +73,9 @@ pytest_run() {  # name seconds pytest-args...
   local name=$1 secs=$2 t0=$SECONDS
   shift 2
   # SIGINT at the cap: pytest still prints the failures' tracebacks and its summary
-  MINILLM_TEST_DEVICE=$DEVICE timeout -s INT -k 20 "$secs" $PY -m pytest -v -n "${WORKERS:-8}" --dist loadfile \
+  # a failure's traceback as it happens (MINILLM_EARLY_TRACEBACKS): a run cut at its cap prints no summary
+  MINILLM_EARLY_TRACEBACKS=1 MINILLM_TEST_DEVICE=$DEVICE timeout -s INT -k 20 "$secs" $PY -m pytest -v \
+    -n "${WORKERS:-$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))}" --dist loadfile \
     -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? in $((SECONDS - t0)) s: $(grep -c ' PASSED' "$OUT/$name.log") passed so far"
   grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/$name.log" | cut -c1-300 | tail -40

@@ -32,6 +32,13 @@ def pytest_configure(config):
         raise pytest.UsageError(f"MINILLM_TEST_DEVICE={TEST_DEVICE} but CUDA is not available")
 
 
+def pytest_runtest_logreport(report):
+    """MINILLM_EARLY_TRACEBACKS=1: a failure's traceback as it happens, not in the summary, which a run
+    cut at its time cap (scripts/gpu_session.sh) never prints."""
+    if report.failed and os.environ.get("MINILLM_EARLY_TRACEBACKS"):
+        sys.stdout.write(f"\n==== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+
+
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     return torch.device(TEST_DEVICE)

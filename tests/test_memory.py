@@ -36,7 +36,7 @@ def refused(r, flag: str) -> str:
 # ---------------------------------------------------------------- the command lines, with the real free memory
 
 @pytest.mark.parametrize("flags, flag", [
-    (["--batch_size", 100000], "--batch_size"),
+    (["--batch_size", 10**7], "--batch_size"),  # logits of 3.9 TB: beyond any GPU
     (["--max_new_tokens", 1000000, "--extend_context"], "--max_new_tokens"),
     (["--max_seq_length", 100000000, "--extend_context"], "--max_seq_length"),
 ], ids=["batch_size", "max_new_tokens", "max_seq_length"])
@@ -48,7 +48,7 @@ def test_generate_refuses_a_cache_beyond_memory(smollm2_dir, flags, flag):
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--no-compile", *flags, timeout=60)
     line = refused(r, flag)
     # sequences beyond what the cache holds run in turns: a huge batch is refused for its logits
-    assert line.startswith("error: the logits of 100000 sequences" if flag == "--batch_size" else "error: the KV cache for ")
+    assert line.startswith("error: the logits of 10000000 sequences" if flag == "--batch_size" else "error: the KV cache for ")
 
 
 def test_generate_runs_a_batch_beyond_the_cache_in_turns(smollm2_dir):
