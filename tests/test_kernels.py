@@ -215,6 +215,43 @@ def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dt
                 assert torch.equal(alone[0, 0], out[b, h]), (softcap, b, h)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,D", [(3, 64), (1, 40), (7, 16), (2, 256)])
+def test_attend_rows_of_one_sequence_keep_their_bits(G, D, kv_dtype):
+    """A batch step carries a prompt as rows of one token each, all with its sequence's slots:
+    attend reads each key once for a tile of them (and of a GQA group's queries). Each query gets
+    the bits it gets alone, beside decode rows of other sequences; also rows whose window starts
+    later (run apart) and a fully masked row (zeros)."""
+    if not kernels.available():
+        pytest.fail("the kernels could not be built here")
+    g = torch.Generator().manual_seed(G * 1000 + D)
+    H, S, P = 2, 70, 20  # a prompt of P tokens at positions 40..59, as rows 2..P+1
+    k, v = (torch.randn(3, H, S, D, generator=g).to(kv_dtype) for _ in range(2))
+    k_pool, v_pool, seq_slots = paged_pools(k, v, 16, g)
+    seqs = torch.tensor([0, 1] + [2] * P + [1])  # the last row: sequence 1 again, apart from its first
+    positions = [65, 33] + [40 + i for i in range(P)] + [34]
+    mask = torch.zeros(len(seqs), 1, 1, S)
+    for b, pos in enumerate(positions):
+        mask[b, ..., pos + 1:] = float("-inf")
+    mask[2 + 5:2 + 7, ..., :3] = float("-inf")  # a window that starts later
+    mask[2 + 9, ..., :8] = float("-inf")
+    mask[2 + 12] = float("-inf")  # a row that reads nothing
+    q = torch.randn(len(seqs), H, G, D, generator=g)
+    slots = seq_slots[seqs]
+    for softcap in (0.0, 5.0):
+        out = kernels.attend(q, k_pool, v_pool, mask, 0.3, softcap, slots)
+        want = reference_attention(q, k[seqs], v[seqs], mask, 0.3, softcap)
+        rows = torch.arange(len(seqs)) != 2 + 12
+        torch.testing.assert_close(out[rows].double(), want[rows], rtol=1e-5, atol=1e-5)
+        assert not out[2 + 12].any()
+        for b in range(len(seqs)):
+            for h in range(H):
+                for r in range(G):
+                    alone = kernels.attend(q[b:b + 1, h:h + 1, r:r + 1], k_pool[:, h:h + 1], v_pool[:, h:h + 1],
+                                           mask[b:b + 1], 0.3, softcap, slots[b:b + 1])
+                    assert torch.equal(alone[0, 0, 0], out[b, h, r]), (softcap, b, h, r)
+
+
 def test_attend_refuses_a_slot_outside_its_pool():
     if not kernels.available():
         pytest.fail("the kernels could not be built here")
