@@ -108,7 +108,7 @@ def converted_block(f, expected: dict, device, dtype: torch.dtype, keep_dtype: C
     """name -> an empty tensor for each float weight that loading converts to `dtype` on CPU, all
     views of one allocation, in the model's order. Converted one by one, a model's tensors
     scatter over the heap, and a bfloat16 decode step of Gemma 3 270M that reads them there takes
-    ~10% longer than one that reads them from a single block (docs/benchmarks.md). Weights that
+    ~10% longer than one that reads them from a single block (docs/design.md). Weights that
     need no conversion stay where the file is mapped."""
     if torch.device(device).type != "cpu":
         return {}
@@ -134,7 +134,7 @@ def streamed_block(path: Path, f, expected: dict, device, streamed: Callable[[st
     file reads into one block on 2 MB pages, in the file's order. A decode step streams these
     rows; where the file is mapped, their speed depends on whether the page cache holds it in
     large folios (Qwen 0.5B int8 decodes 1.18x faster from the block than from a mapping on 4 kB
-    pages, docs/benchmarks.md). Read through the mapping instead, the mapped pages would stay
+    pages, docs/design.md). Read through the mapping instead, the mapped pages would stay
     resident beside the copy."""
     names = [n for n in expected if streamed(n) and f.get_slice(n).get_dtype() == "I8"]
     if torch.device(device).type != "cpu" or not names:
@@ -166,7 +166,7 @@ def huge_page_block(nbytes: int) -> torch.Tensor:
     """nbytes of zeroed memory, asked for on 2 MB pages where Linux has them (transparent huge pages
     in "madvise" mode give them only to memory that asks). The decode loop streams every weight
     once a token, and on 4 kB pages each page is a TLB miss and a restart for the hardware
-    prefetcher: Qwen2.5-Coder-1.5B's bfloat16 decode is ~6% faster on 2 MB pages (docs/benchmarks.md)."""
+    prefetcher: Qwen2.5-Coder-1.5B's bfloat16 decode is ~6% faster on 2 MB pages (docs/design.md)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or nbytes < HUGE_PAGE:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -182,8 +182,8 @@ def huge_page_block(nbytes: int) -> torch.Tensor:
 
 def huge_page_zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """torch.zeros(shape) on 2 MB pages where a CPU has them (huge_page_block): the engine's KV
-    pools, which a step reads in blocks scattered over them (a paged batch step's attention ran
-    ~8% faster on 2 MB pages, docs/benchmarks.md)."""
+    pools, which a step reads in blocks scattered over them (16 decode rows' attention took 0.88-0.93x
+    the time on 4 kB pages, benchmarks/kv-pool-pages.json)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     block = huge_page_block(math.prod(shape) * dtype.itemsize)

@@ -560,7 +560,7 @@ def streamed_int8_names(model) -> set:
 def int4_rows_block(layers: list) -> dict:
     """id(weight) -> an empty tensor for pack_int4_rows to fill, for the int4 weight of each layer
     that packs for the CPU loops, all views of one block on 2 MB pages (the int8 rows' reason,
-    checkpoint.streamed_block: Qwen 0.5B int4 decodes 1.10x faster, docs/benchmarks.md).
+    checkpoint.streamed_block: Qwen 0.5B int4 decodes 1.10x faster, docs/design.md).
     Packed into it directly, so that no packed copy is freed to the heap, which would keep it."""
     weights = {id(m.weight): m.weight for m in layers
                if isinstance(m, Int4Linear) and m.weight is not None and for_cpu_kernel(m.weight)}
