@@ -79,6 +79,8 @@ def message_tool_calls(calls, where: str) -> list:
             raise APIError(400, f'`{where}[{k}]` must be {{"id": ..., "type": "function", "function": '
                                 f'{{"name": ..., "arguments": ...}}}}', "messages")
         arguments = f.get("arguments")
+        if arguments == "":  # a function called without arguments
+            arguments = {}
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
@@ -115,11 +117,11 @@ def parse_tools(body: dict) -> Optional[tuple]:
     """(the JSON schema of the call, the function's name or None when the output names it) under
     `tool_choice` "required" or a named function; None when the output is free text."""
     functions, choice = tool_functions(body.get("tools")), body.get("tool_choice")
+    if choice is not None and not functions:  # as OpenAI, "none" too
+        raise APIError(400, "`tool_choice` is only allowed when `tools` are specified", "tool_choice")
     if choice is None or choice in ("none", "auto"):  # "auto": no tool call is detected in free text
         return None
     if choice == "required":
-        if not functions:
-            raise APIError(400, '`tool_choice` "required" needs `tools`', "tool_choice")
         return call_schema(functions), None
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")

@@ -6,6 +6,7 @@ engine through Engine.submit; the engine loop (serve.py) posts each choice's eve
 request's coroutine with loop.call_soon_threadsafe.
 """
 import asyncio
+import hashlib
 import json
 import time
 import traceback
@@ -25,7 +26,8 @@ from engine import Engine, log
 from errors import UserError
 from grammar import Grammars
 from openai_request import (CONSTRAINT_FIELDS, MAX_N, APIError, Params, check_fields, parse_logprobs, parse_sampling,
-                            parse_stop)
+                            parse_seed, parse_stop, parse_stream_options)
+from prompt_store import model_fingerprint
 from scheduler import QueueFull, Request
 from tokenizer import StopStrings, Tokenizer
 
@@ -39,6 +41,7 @@ class Server:
         self.checkpoint_dir, self._grammars = checkpoint_dir, None
         self.token_texts: dict = {}  # token id -> its text decoded alone (logprobs)
         self.created = int(time.time())
+        self.fingerprint = system_fingerprint(engine, checkpoint_dir)
         self.stop_ids = frozenset(engine.model.args.eos_token_ids) | frozenset(tokenizer.eos_ids)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.registry = CollectorRegistry()
@@ -59,6 +62,9 @@ class Server:
             raise APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", code="invalid_api_key")
 
     async def read_body(self, request) -> dict:
+        kind = request.headers.get("content-type")  # none at all is read as JSON: a hand-made request may name none
+        if kind is not None and kind.split(";")[0].strip().lower() != "application/json":
+            raise APIError(415, f"the request body must be JSON (Content-Type: application/json), not {kind!r}")
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -101,15 +107,13 @@ class Server:
         n = 1 if body.get("n") is None else body["n"]
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"`n` must be in [1, {MAX_N}]", "n")
-        options = body.get("stream_options") or {}
-        if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
-            raise APIError(400, "`stream_options` takes only `include_usage` (a boolean)", "stream_options")
+        include_usage, seed = parse_stream_options(body), parse_seed(body)
         sampling = parse_sampling(body, temperature, top_k, top_p, self.engine.model.args.vocab_size)
         logprobs = parse_logprobs(body, chat)
         grammar, tool_call, tool_name = self.parse_constraint(body, chat)  # last: it compiles
-        return Params(prompt=prompt, max_tokens=max_tokens, sampling=sampling, n=n, seed=body.get("seed"),
+        return Params(prompt=prompt, max_tokens=max_tokens, sampling=sampling, n=n, seed=seed,
                       stop=parse_stop(body["stop"]) if body.get("stop") is not None else [],
-                      stream=bool(body.get("stream")), include_usage=bool(options.get("include_usage")),
+                      stream=bool(body.get("stream")), include_usage=include_usage,
                       ignore_eos=bool(body.get("ignore_eos")), logprobs=logprobs, grammar=grammar,
                       tool_call=tool_call, tool_name=tool_name)
 
@@ -222,6 +226,13 @@ class Server:
     def post(self, queue: asyncio.Queue, event: tuple):
         """From the engine loop: hand an event to the request's coroutine."""
         self.loop.call_soon_threadsafe(queue.put_nowait, event)
+
+
+def system_fingerprint(engine: Engine, checkpoint_dir: Optional[Path]) -> str:
+    """OpenAI's `system_fingerprint`: a digest of what sets the outputs, the weights, their dtype and the device."""
+    weights = model_fingerprint(checkpoint_dir) if checkpoint_dir is not None else engine.model.args.architecture
+    parts = (weights, str(engine.model.norm.weight.dtype), engine.device.type)
+    return "fp_" + hashlib.sha256("-".join(parts).encode()).hexdigest()[:10]
 
 
 @dataclass
@@ -387,19 +398,17 @@ class Stream:
         self.server, self.choices, self.queue, self.params, self.chat, self.base = \
             server, choices, queue, params, chat, base
         self.obj = "chat.completion.chunk" if chat else "text_completion"
-        self.started = [False] * len(choices)
         self.held = [["", []] for _ in choices]  # a tool call's text and logprobs: sent whole at its end
 
-    def chunk(self, i, text, entries, reason=None, calls=None) -> str:
+    def chunk(self, i, text, entries, reason=None, calls=None, role=False) -> str:
         params = self.params
         logprobs = logprobs_body(self.server, entries, self.chat) if params.logprobs is not None and entries else None
         if self.chat:
             delta = {"content": text} if text else {}
             if calls:
                 delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-            if not self.started[i]:
-                delta = {"role": "assistant", **delta}
-                self.started[i] = True
+            if role:
+                delta = {"role": "assistant", "content": ""}
             body = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
@@ -409,6 +418,8 @@ class Stream:
     async def events(self):
         params, held = self.params, self.held
         try:
+            for i in range(len(self.choices) if self.chat else 0):  # as OpenAI: the role alone first
+                yield self.chunk(i, "", [], role=True)
             left = len(self.choices)
             while left:
                 event = await self.queue.get()
@@ -465,7 +476,8 @@ class Routes:
         except APIError as e:
             return error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        base = {"id": rid, "created": int(time.time()), "model": server.model_name}
+        base = {"id": rid, "created": int(time.time()), "model": server.model_name,
+                "system_fingerprint": server.fingerprint}
         if params.stream:
             return StreamingResponse(Stream(server, choices, queue, params, chat, base).events(),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

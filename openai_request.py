@@ -10,6 +10,8 @@ from sampling import MAX_LOGPROBS, Sampling, check_sampling
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_N = 16
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI allows (chat: `top_logprobs` up to MAX_LOGPROBS)
+# OpenAI's int64 `seed`; choice i's seed + i (< MAX_N) stays within torch.Generator.manual_seed's [-2**63, 2**64)
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1
 FIELDS = {  # accepted fields -> value kinds (a type is checked here; the others where they are read)
     "model": str, "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
     "stop": "stop", "n": int, "stream": bool, "stream_options": dict, "ignore_eos": bool, "user": str,
@@ -95,6 +97,25 @@ def check_fields(body: dict, chat: bool):
             raise APIError(400, f"unknown field `{name}`", name, "unsupported_parameter")
         elif value is not None:
             check_value(name, value, FIELDS[name])
+
+
+def parse_seed(body: dict) -> Optional[int]:
+    seed = body.get("seed")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise APIError(400, f"`seed` must be an integer in [{SEED_MIN}, {SEED_MAX}]", "seed")
+    return seed
+
+
+def parse_stream_options(body: dict) -> bool:
+    """Whether a streamed request asks for a last chunk with the usage."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise APIError(400, "`stream_options` is only allowed when `stream` is true", "stream_options")
+    if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
+        raise APIError(400, "`stream_options` takes only `include_usage` (a boolean)", "stream_options")
+    return bool(options.get("include_usage"))
 
 
 def parse_sampling(body: dict, temperature: float, top_k: Optional[int], top_p: float, vocab_size: int) -> Sampling:

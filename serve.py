@@ -2,7 +2,7 @@
 a prefix cache shared by the requests.
 
     python serve.py --checkpoint checkpoints/smollm2-135m [--port 8000]
-    curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    curl localhost:8000/v1/chat/completions --json '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 The official `openai` client works against it (base_url="http://127.0.0.1:8000/v1"):
 /v1/completions and /v1/chat/completions, streamed (server-sent events) or not, /v1/models,
@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "max: see generate.py --help")
     p.add_argument("--api_key", default=os.environ.get("MINILLM_API_KEY"),
                    help="require `Authorization: Bearer KEY` (default: $MINILLM_API_KEY, or none)")
+    p.add_argument("--cors_origins", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="let web pages from these origins (or * for any) call the API from a browser (CORS; "
+                        "default: none)")
     p.add_argument("--model_name", default=None, help="the model id clients name (default: the checkpoint's name)")
     p.add_argument("--shutdown_timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish")
@@ -291,7 +294,12 @@ def serve(args, engine: Engine, tokenizer: Tokenizer):
     gc.freeze()
     log(f"serving {name} on http://{args.host}:{args.port}/v1 ({args.max_batch_size} requests at once, "
         f"{args.max_seq_length} tokens each at most, {kv_tokens(args)} tokens of KV cache)")
-    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
+    app = build_app(server)
+    if args.cors_origins:  # Starlette's own: answers the preflight OPTIONS and adds the Access-Control headers
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=[o.strip() for o in args.cors_origins.split(",")],
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     http = uvicorn.Server(config)
     http_thread = threading.Thread(target=http.run, name="http")

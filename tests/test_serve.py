@@ -101,13 +101,18 @@ def test_same_text_as_generate(client, reference):
                                                 stream=True))
         assert "".join(c.choices[0].text for c in pieces) == reference[False, p]
         assert pieces[0].choices[0].text  # the first chunk carries the first token
+        fingerprints = {r.system_fingerprint, *(c.system_fingerprint for c in pieces)}
         chat = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": p}],
                                               max_tokens=24, temperature=0)
         assert chat.choices[0].message.content == reference[True, p]
         chunks = list(client.chat.completions.create(
             model="smollm2-135m", messages=[{"role": "user", "content": p}], max_completion_tokens=24,
             temperature=0, stream=True, stream_options={"include_usage": True}))
-        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content
+        # as OpenAI: the role alone first, then the text without it
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+        assert chunks[1].choices[0].delta.content and all(c.choices[0].delta.role is None for c in chunks[1:-1])
+        fingerprints |= {chat.system_fingerprint, *(c.system_fingerprint for c in chunks)}
+        assert len(fingerprints) == 1 and re.fullmatch(r"fp_[0-9a-f]{10}", fingerprints.pop())
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference[True, p]
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
         assert all(c.usage is None for c in chunks[:-1])
@@ -219,6 +224,25 @@ def test_bad_input(server, path, body, status, param):
     assert reply["error"]["param"] == param
     ok, good = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})  # served right after
     assert ok == 200 and good["choices"][0]["text"] is not None
+
+
+def test_content_type_and_no_cors(server):
+    """A body sent as a form gets a 415; JSON with a charset, or with no Content-Type, is served. No
+    CORS header without --cors_origins."""
+    import http.client
+    host, port = server.rsplit(":", 1)
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2})
+    for kind, status in (("application/x-www-form-urlencoded", 415), ("text/plain", 415),
+                         ("application/json; charset=utf-8", 200), (None, 200)):
+        c = http.client.HTTPConnection("127.0.0.1", int(port), timeout=60)
+        c.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {API_KEY}", "Origin": "https://a.example",
+                                                     **({"Content-Type": kind} if kind else {})})
+        r = c.getresponse()
+        reply = json.loads(r.read())
+        assert r.status == status, (kind, reply)
+        assert status == 200 or set(reply["error"]) == {"message", "type", "param", "code"}
+        assert r.getheader("Access-Control-Allow-Origin") is None
+        c.close()
 
 
 def test_api_key(server):

@@ -7,6 +7,8 @@ import enum
 import json
 import re
 import shutil
+import urllib.error
+import urllib.request
 from typing import Annotated, Literal
 
 import jsonschema
@@ -14,9 +16,10 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_serve import API_KEY, post, start_server, stop_server
+from test_serve import API_KEY, metrics, post, start_server, stop_server
 
 MODEL = "smollm2-135m"
+ORIGIN = "https://app.example"  # the web page the server lets call it (--cors_origins)
 ORDER_PROMPT = "An order: 2 apples and 1 pear, in red. Status open."
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "rank": {"type": "integer", "minimum": 1, "maximum": 9},
@@ -75,7 +78,8 @@ class Order(BaseModel):
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
     # no compiling: constrained, penalized and logprob requests sample on the host anyway
-    proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 512, "--no-compile")
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 512, "--no-compile",
+                             "--cors_origins", ORIGIN)
     yield url
     assert stop_server(proc) == 0
 
@@ -204,6 +208,10 @@ def test_tool_conversation_is_served(server, client, tokenizer):
     code, reply = post(server, CHAT, {"messages": [ASKED, {"role": "assistant", "tool_calls": [as_object]}, as_parts],
                                       "tools": TOOLS, "max_tokens": 4})
     assert code == 200 and reply["usage"]["prompt_tokens"] == conversation_tokens, reply
+    # a function called without arguments: `arguments` "", read as {}
+    code, reply = post(server, CHAT, {"messages": calling([with_arguments("")], tool_call_id="call_1", content="ok"),
+                                      "tools": TOOLS, "max_tokens": 2})
+    assert code == 200, reply
 
 
 def test_constrained_greedy_matches_engine(client, smollm2_dir, tokenizer):
@@ -342,6 +350,13 @@ def with_arguments(arguments):
     (CHAT, {"messages": calling([])}, "messages"),  # no call, no content
     (CHAT, {"messages": [{**ASKED, "tool_calls": [CALL]}]}, "messages"),  # a user's call
     (CHAT, {"messages": [ASKED], "tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+    (CHAT, {"tool_choice": "none"}, "tool_choice"),  # as OpenAI: no tool_choice without tools
+    (CHAT, {"tools": [], "tool_choice": "auto"}, "tool_choice"),
+    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),  # not streamed
+    (CHAT, {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"seed": 2 ** 64}, "seed"),
+    (CHAT, {"seed": -2 ** 63 - 1}, "seed"),
+    (CHAT, {"seed": 2 ** 64 - 2, "n": 3}, "seed"),  # the first two choices' seeds fit torch's range, the third not
 ])
 def test_bad_input(server, path, body, param):
     body = {"messages": MESSAGES, **body} if path == CHAT else body
@@ -351,3 +366,22 @@ def test_bad_input(server, path, body, param):
     assert error["param"] == param and error["message"] and "\n" not in error["message"]
     ok, good = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})  # served right after
     assert ok == 200 and good["choices"][0]["text"] is not None
+    assert metrics(server)["minillm_requests_running"] == 0  # nothing of the refused request was queued
+
+
+def test_cors(server):
+    """--cors_origins: a browser's preflight from the origin is answered, its requests carry the header;
+    another origin gets neither."""
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = urllib.request.urlopen(urllib.request.Request(server + CHAT, method="OPTIONS", headers=preflight))
+    assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == ORIGIN
+    assert "POST" in r.headers["Access-Control-Allow-Methods"]
+    assert "authorization" in r.headers["Access-Control-Allow-Headers"].lower()
+    r = urllib.request.urlopen(urllib.request.Request(server + "/v1/models", headers={
+        "Origin": ORIGIN, "Authorization": f"Bearer {API_KEY}"}))
+    assert r.headers["Access-Control-Allow-Origin"] == ORIGIN
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(server + CHAT, method="OPTIONS",
+                                                      headers={**preflight, "Origin": "https://other.example"}))
+    assert "Access-Control-Allow-Origin" not in refused.value.headers
