@@ -128,6 +128,19 @@ def build_name(source: Path, cflags: list) -> str:
     return f"minillm_kernels_{key}"
 
 
+def build_directory(name: str) -> Path:
+    """Where the extension `name` is built: torch's extensions root, one folder per Python version."""
+    from torch.utils.cpp_extension import get_default_build_root
+    return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
+
+
+def build_line(name: str, vnni: bool) -> Optional[str]:
+    """What to say before loading the extension `name`: that it builds, or nothing when it is built."""
+    if (build_directory(name) / f"{name}.so").exists():
+        return None
+    return f"kernels.py: building the CPU kernels ({'AVX-512 VNNI' if vnni else 'AVX2'}; once per checkout, ~1 min)"
+
+
 def _build() -> bool:
     if os.environ.get("MINILLM_KERNELS", "1") == "0":
         return False
@@ -138,12 +151,15 @@ def _build() -> bool:
     vnni = has_vnni()
     try:
         from torch.utils.cpp_extension import load
-        print(f"kernels.py: loading the CPU kernels ({'AVX-512 VNNI' if vnni else 'AVX2'}; built once per "
-              "checkout, ~1 min)", file=sys.stderr)
         cflags = build_flags(vnni)
+        name = build_name(SOURCE, cflags)
+        where = build_directory(name)
+        where.mkdir(parents=True, exist_ok=True)
+        if line := build_line(name, vnni):
+            print(line, file=sys.stderr)
         # is_python_module=False: kernels.cpp registers its operators itself (TORCH_LIBRARY), and
         # the library is loaded into torch.ops.minillm
-        load(name=build_name(SOURCE, cflags), sources=[str(SOURCE)], is_python_module=False,
+        load(name=name, sources=[str(SOURCE)], is_python_module=False, build_directory=str(where),
              extra_ldflags=["-fopenmp"], extra_cflags=cflags)
     except Exception as e:  # no compiler, no headers: fall back to BLAS, say why once
         print(f"kernels.py: CPU kernels not built ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "

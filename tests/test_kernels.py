@@ -42,9 +42,9 @@ def test_kernels_are_loaded_from_this_checkout_s_own_build(tmp_path):
     flags = kernels.build_flags(kernels.has_vnni())
     name = kernels.build_name(kernels.SOURCE, flags)
     same, edited = tmp_path / "same" / "kernels.cpp", tmp_path / "edited" / "kernels.cpp"
-    for copy, text in [(same, kernels.SOURCE.read_bytes()), (edited, kernels.SOURCE.read_bytes() + b"// edited\n")]:
-        copy.parent.mkdir()
-        copy.write_bytes(text)
+    for source, text in [(same, kernels.SOURCE.read_bytes()), (edited, kernels.SOURCE.read_bytes() + b"// edited\n")]:
+        source.parent.mkdir()
+        source.write_bytes(text)
     assert name == kernels.build_name(kernels.SOURCE, list(flags))
     assert len({name, kernels.build_name(same, flags), kernels.build_name(edited, flags),
                 kernels.build_name(kernels.SOURCE, kernels.build_flags(not kernels.has_vnni()))}) == 4
@@ -250,6 +250,15 @@ def test_attend_rows_of_one_sequence_keep_their_bits(G, D, kv_dtype):
                     alone = kernels.attend(q[b:b + 1, h:h + 1, r:r + 1], k_pool[:, h:h + 1], v_pool[:, h:h + 1],
                                            mask[b:b + 1], 0.3, softcap, slots[b:b + 1])
                     assert torch.equal(alone[0, 0, 0], out[b, h, r]), (softcap, b, h, r)
+
+
+def test_the_build_line_only_when_it_builds():
+    if not kernels.available():
+        pytest.fail("the kernels could not be built here")
+    vnni = kernels.has_vnni()
+    built = kernels.build_name(kernels.SOURCE, kernels.build_flags(vnni))
+    assert kernels.build_line(built, vnni) is None
+    assert "building the CPU kernels" in kernels.build_line("minillm_kernels_never_built", vnni)
 
 
 def test_attend_refuses_a_slot_outside_its_pool():
