@@ -25,8 +25,8 @@ from chat_tools import chat_messages, parse_tools, tool_calls, tool_functions
 from engine import Engine, log
 from errors import UserError
 from grammar import Grammars
-from openai_request import (CONSTRAINT_FIELDS, MAX_N, APIError, Params, check_fields, parse_logprobs, parse_sampling,
-                            parse_seed, parse_stop, parse_stream_options)
+from openai_request import (CONSTRAINT_FIELDS, APIError, Params, check_context, check_fields, parse_logprobs, parse_n,
+                            parse_prompts, parse_sampling, parse_seed, parse_stop, parse_stream_options)
 from prompt_store import model_fingerprint
 from scheduler import QueueFull, Request
 from tokenizer import StopStrings, Tokenizer
@@ -79,20 +79,11 @@ class Server:
         if model is not None and model != self.model_name:
             raise APIError(404, f"model `{model}` not found (this server runs `{self.model_name}`)", "model",
                            "model_not_found")
-        prompt = self.chat_prompt(body) if chat else self.completion_prompt(body)
-        limit = self.engine.max_seq_length
-        if len(prompt) >= limit:
-            raise APIError(400, f"the prompt has {len(prompt)} tokens; this server's context (--max_seq_length) "
-                                f"is {limit} tokens", "messages" if chat else "prompt", "context_length_exceeded")
+        vocab_size = self.engine.model.args.vocab_size
+        prompts = [self.chat_prompt(body)] if chat else parse_prompts(body.get("prompt"), self.tokenizer.encode,
+                                                                      vocab_size)
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = body.get(name)
-        if max_tokens is None:
-            max_tokens = limit - len(prompt) if chat else 16  # OpenAI's defaults: the context left; 16
-        if max_tokens < 1:
-            raise APIError(400, f"`{name}` must be at least 1", name)
-        if len(prompt) + max_tokens > limit:
-            raise APIError(400, f"the prompt ({len(prompt)} tokens) + `{name}` ({max_tokens}) exceeds this server's "
-                                f"context of {limit} tokens", name, "context_length_exceeded")
+        max_tokens = check_context(prompts, body.get(name), name, self.engine.max_seq_length, chat)
         temperature = body.get("temperature")
         temperature = 1.0 if temperature is None else float(temperature)
         if not 0 <= temperature <= 2:
@@ -104,14 +95,12 @@ class Server:
         if top_k is not None and top_k < 1 and top_k not in (0, -1):
             raise APIError(400, "`top_k` must be at least 1 (0 or -1: off)", "top_k")
         top_k = None if top_k in (None, 0, -1) else top_k
-        n = 1 if body.get("n") is None else body["n"]
-        if not 1 <= n <= MAX_N:
-            raise APIError(400, f"`n` must be in [1, {MAX_N}]", "n")
+        n = parse_n(body, len(prompts))
         include_usage, seed = parse_stream_options(body), parse_seed(body)
-        sampling = parse_sampling(body, temperature, top_k, top_p, self.engine.model.args.vocab_size)
+        sampling = parse_sampling(body, temperature, top_k, top_p, vocab_size)
         logprobs = parse_logprobs(body, chat)
         grammar, tool_call, tool_name = self.parse_constraint(body, chat)  # last: it compiles
-        return Params(prompt=prompt, max_tokens=max_tokens, sampling=sampling, n=n, seed=seed,
+        return Params(prompts=prompts, max_tokens=max_tokens, sampling=sampling, n=n, seed=seed,
                       stop=parse_stop(body["stop"]) if body.get("stop") is not None else [],
                       stream=bool(body.get("stream")), include_usage=include_usage,
                       ignore_eos=bool(body.get("ignore_eos")), logprobs=logprobs, grammar=grammar,
@@ -160,23 +149,6 @@ class Server:
             self._grammars = Grammars(self.checkpoint_dir, self.engine.model.args.vocab_size, sorted(self.stop_ids))
         return self._grammars
 
-    def completion_prompt(self, body: dict) -> list:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "`prompt` is empty", "prompt")
-            return self.tokenizer.encode(prompt)  # as generate.py encodes it
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.engine.model.args.vocab_size
-            if not all(0 <= t < vocab for t in prompt):
-                raise APIError(400, f"`prompt` token ids must be in [0, {vocab})", "prompt")
-            return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-            raise APIError(400, "one prompt per request (send several requests)", "prompt", "unsupported_parameter")
-        raise APIError(400, "`prompt` must be a non-empty string or a list of token ids", "prompt")
-
     def chat_prompt(self, body: dict) -> list:
         messages = chat_messages(body.get("messages"))
         tool_functions(body.get("tools"))  # checked before the template reads them
@@ -190,19 +162,21 @@ class Server:
     # ---- running a request
 
     def submit(self, params: Params) -> tuple[list, asyncio.Queue]:
-        """Submit the request's n choices; their events arrive on the queue."""
+        """Submit the request's n choices of each prompt, choice p * n + j the j-th of prompt p (OpenAI's
+        order), all at once so that they run in the same steps; their events arrive on the queue."""
         queue: asyncio.Queue = asyncio.Queue()
         choices = []
-        for i in range(params.n):
+        for i in range(len(params.prompts) * params.n):
+            prompt, j = params.prompts[i // params.n], i % params.n
             choice = Choice(i, params, self, queue)
-            seed = None if params.seed is None else params.seed + i
+            seed = None if params.seed is None else params.seed + j  # each prompt's choices as it alone would get
             constraint = None
             if params.grammar is not None:
                 try:
                     constraint = self.grammars().constraint(params.grammar)  # a matcher of its own
                 except UserError as e:
                     raise APIError(400, str(e)) from None
-            choice.request = Request(list(params.prompt), params.max_tokens, params.sampling, seed=seed,
+            choice.request = Request(list(prompt), params.max_tokens, params.sampling, seed=seed,
                                      stop_ids=frozenset() if params.ignore_eos else self.stop_ids,
                                      on_token=choice.on_token, on_finish=choice.on_finish, constraint=constraint,
                                      logprobs=params.logprobs)
@@ -334,10 +308,12 @@ class EngineCollector:
 # ---------------------------------------------------------------- responses
 
 def usage(params: Params, choices: list) -> dict:
+    """Each prompt's tokens and cached tokens counted once (as its first choice's), every choice's output."""
     completion = sum(len(c.request.out) for c in choices)
-    prompt = len(params.prompt)
+    prompt = sum(len(p) for p in params.prompts)
+    cached = sum(c.request.cached_tokens for c in choices[::params.n])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": choices[0].request.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def logprobs_body(server: Server, entries: list, chat: bool) -> dict:

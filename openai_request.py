@@ -8,9 +8,9 @@ from errors import UserError
 from sampling import MAX_LOGPROBS, Sampling, check_sampling
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
-MAX_N = 16
+MAX_N = 16  # choices per request: `n` times the number of prompts (a list `prompt` of /v1/completions)
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI allows (chat: `top_logprobs` up to MAX_LOGPROBS)
-# OpenAI's int64 `seed`; choice i's seed + i (< MAX_N) stays within torch.Generator.manual_seed's [-2**63, 2**64)
+# OpenAI's int64 `seed`; a prompt's choice j gets seed + j (< MAX_N): within manual_seed's [-2**63, 2**64)
 SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1
 FIELDS = {  # accepted fields -> value kinds (a type is checked here; the others where they are read)
     "model": str, "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
@@ -46,8 +46,9 @@ class APIError(Exception):
 
 @dataclass
 class Params:
-    """A checked request: its prompt token ids and generation settings."""
-    prompt: list
+    """A checked request: its prompts' token ids (chat: one; completions: one or more, each with n
+    choices) and generation settings."""
+    prompts: list
     max_tokens: int
     sampling: Sampling
     n: int = 1
@@ -97,6 +98,54 @@ def check_fields(body: dict, chat: bool):
             raise APIError(400, f"unknown field `{name}`", name, "unsupported_parameter")
         elif value is not None:
             check_value(name, value, FIELDS[name])
+
+
+def is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in value)
+
+
+def parse_prompts(prompt, encode, vocab_size: int) -> list:
+    """/v1/completions' `prompt` as a list of token-id lists: a string or a list of token ids is one
+    prompt, a list of strings or of token-id lists is several."""
+    many = prompt if isinstance(prompt, list) and not is_ids(prompt) else [prompt]
+    if not many or not (all(isinstance(p, str) for p in many) or all(is_ids(p) for p in many)):
+        raise APIError(400, "`prompt` must be a non-empty string, a list of token ids, or a non-empty list of "
+                            "either (not mixed)", "prompt")
+    if len(many) > MAX_N:
+        raise APIError(400, f"`prompt` takes at most {MAX_N} prompts (got {len(many)})", "prompt")
+    if not all(many):
+        raise APIError(400, "`prompt` is empty" if len(many) == 1 else "a prompt of `prompt` is empty", "prompt")
+    if not all(0 <= t < vocab_size for p in many if not isinstance(p, str) for t in p):
+        raise APIError(400, f"`prompt` token ids must be in [0, {vocab_size})", "prompt")
+    return [encode(p) if isinstance(p, str) else list(p) for p in many]  # strings as generate.py encodes them
+
+
+def check_context(prompts: list, max_tokens: Optional[int], name: str, limit: int, chat: bool) -> int:
+    """`max_tokens` (None: OpenAI's default, chat's the context left, completions' 16), checked against
+    the context (--max_seq_length, `limit`) with each prompt."""
+    longest = max(len(p) for p in prompts)
+    which = "the prompt" if len(prompts) == 1 else f"prompt {[len(p) for p in prompts].index(longest)}"
+    if longest >= limit:
+        raise APIError(400, f"{which} has {longest} tokens; this server's context (--max_seq_length) is {limit} "
+                            "tokens", "messages" if chat else "prompt", "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = limit - longest if chat else 16
+    if max_tokens < 1:
+        raise APIError(400, f"`{name}` must be at least 1", name)
+    if longest + max_tokens > limit:
+        raise APIError(400, f"{which} ({longest} tokens) + `{name}` ({max_tokens}) exceeds this server's "
+                            f"context of {limit} tokens", name, "context_length_exceeded")
+    return max_tokens
+
+
+def parse_n(body: dict, prompts: int) -> int:
+    n = 1 if body.get("n") is None else body["n"]
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"`n` must be in [1, {MAX_N}]", "n")
+    if n * prompts > MAX_N:
+        raise APIError(400, f"`n` ({n}) x {prompts} prompts exceeds {MAX_N} choices a request", "n")
+    return n
 
 
 def parse_seed(body: dict) -> Optional[int]:

@@ -189,6 +189,40 @@ def test_stop_n_usage_models_metrics(client, server, reference):
     assert after["minillm_requests_running"] == 0
 
 
+def test_prompt_lists_as_alone(client, smollm2_dir):
+    """A list `prompt` (strings, token ids, lists of token ids) runs as one batch: choice p * n + j is
+    prompt p's j-th, its text that prompt's alone; usage sums over the prompts; streamed chunks too."""
+    from tokenizer import Tokenizer
+
+    def complete(prompt, **kw):
+        return client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0, **kw)
+
+    texts = PROMPTS[2:4]
+    alone = [complete(p) for p in texts]
+    both = complete(texts)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [r.choices[0].text for r in alone]
+    assert [c.finish_reason for c in both.choices] == [r.choices[0].finish_reason for r in alone]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert getattr(both.usage, key) == sum(getattr(r.usage, key) for r in alone)
+    r = complete(texts, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert r.usage.prompt_tokens == both.usage.prompt_tokens  # each prompt counted once, as OpenAI
+    ids = [Tokenizer(smollm2_dir).encode(t) for t in texts]  # as the server encodes a string
+    assert complete(ids[0]).choices[0].text == alone[0].choices[0].text
+    assert [c.text for c in complete(ids).choices] == [c.text for c in both.choices]
+    pieces = ["", ""]
+    chunks = list(complete(texts, stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks[:-1]:
+        pieces[chunk.choices[0].index] += chunk.choices[0].text
+    assert pieces == [c.text for c in both.choices]
+    assert chunks[-1].usage.completion_tokens == both.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as refused:  # every prompt checked before any runs
+        complete([texts[0], "Hi " * 1100])
+    assert refused.value.body["param"] == "prompt" and "prompt 1 has" in refused.value.body["message"]
+
+
 def post(url, path, body, key=API_KEY, raw=None):
     data = raw if raw is not None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json",

@@ -330,6 +330,16 @@ def with_arguments(arguments):
     (CHAT, {"logprobs": 3}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "tools": TOOLS}, "tools"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, [2]]]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [49152]]}, "prompt"),  # SmolLM2's vocab_size
+    ("/v1/completions", {"prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"prompt": ["Hi", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": ["Hi"] * 17}, "prompt"),  # more prompts than choices a request
+    ("/v1/completions", {"prompt": ["Hi"] * 5, "n": 4}, "n"),  # 20 choices
+    ("/v1/completions", {"prompt": ["Hi", "Hi " * 600]}, "prompt"),  # the second too long for the context
     (CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     (CHAT, {"tool_choice": "required"}, "tool_choice"),
     (CHAT, {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
