@@ -162,7 +162,8 @@ def add_model_args(p):
 
 def add_sampling_args(p):
     p.add_argument("--prompt", action="append",
-                   help="prompt text; repeat to generate for several prompts in one batch")
+                   help='prompt text; repeat to generate for several prompts in one batch (default: "Hello, my '
+                        'name is"; with --interactive, each turn is read from standard input)')
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=None)
