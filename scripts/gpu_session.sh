@@ -23,6 +23,9 @@
 # What fits in 15 minutes of device time (H200, 2026-11-28, 8 workers): the start ~30 s, tests1:250 ran
 # 317 of its tests, tests2:300 ran 463 of its; a serve stage after them did not finish the warm-up in
 # 200 s. Run the half that matters first, with the tests named (pytest -k) when only some matter.
+# The paged engine's warm-up on an H200: the step's compile 172 s cold, its 22 graph recordings 2 s,
+# the chunk graphs' compile more than 125 s even with the step cached: serve stages do not fit yet.
+# `attend` (scripts/cuda_attend.py) takes under a minute.
 # Results (logs, JSON) go to $OUT (default /tmp/out).
 set -u
 cd "$(dirname "$0")/.."
@@ -134,12 +137,21 @@ from loading import load_model
 from torch._dynamo.utils import compile_times
 model = load_model("checkpoints/smollm2-135m", torch.device("cuda"), torch.bfloat16)
 engine = Engine.for_serving(model, 16, 392, compile=True)
+run = engine.run
+def timed(plan):  # each warm-up step as it ends: a run cut at its cap still says where the time went
+    t = time.perf_counter()
+    out = run(plan)
+    torch.cuda.synchronize()
+    print(f"  {len(plan.rides)} rows, {len(plan.chunks)} chunks: {time.perf_counter() - t:.1f} s", flush=True)
+    return out
+engine.run = timed
 t = time.perf_counter()
 serve.warm_up(engine)
 print(f"warm-up {time.perf_counter() - t:.1f} s")
 print(compile_times(repr="str", aggregate=True))
 PY
       ;;
+    attend) timeout -k 10 "$secs" python3 -m scripts.cuda_attend --json "$OUT/cuda-attend.json" ;;
     batching) pytest_run batching "$secs" --dist load tests/test_batching.py tests/test_device.py ;;
     decode)
       # each engine and precision is a process that compiles (40-70 s on an H200 with empty caches), twice
