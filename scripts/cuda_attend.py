@@ -114,7 +114,7 @@ def time_layers(fn, c, rounds: int) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m scripts.cuda_attend")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=20)
