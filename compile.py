@@ -4,6 +4,9 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -104,6 +107,27 @@ SKIPS_GUARDS = stance_skips_guards()
 def guards_skipped(skip: bool):
     """Within one generate call a compiled step is called again and again with inputs of the same
     shapes: once its guards have been checked, skipping them saves about a millisecond a call on CPU."""
-    if not SKIPS_GUARDS:
+    if not (SKIPS_GUARDS and skip):  # the stance is global: left alone unless skipping
         return contextlib.nullcontext()
     return torch.compiler.set_stance(skip_guard_eval_unsafe=skip)
+
+
+@contextlib.contextmanager
+def compiling(then: str = "", every: float = 30.0):
+    """While the block compiles, "still compiling (N s)" on stderr every `every` seconds (a log
+    would otherwise stay silent for minutes); "compiled in N s" and `then` when it is done."""
+    done, start = threading.Event(), time.perf_counter()
+
+    def say(text: str):
+        print(text, file=sys.stderr, flush=True)
+
+    def tick():
+        while not done.wait(every):
+            say(f"still compiling ({time.perf_counter() - start:.0f} s)")
+
+    threading.Thread(target=tick, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+    say(f"compiled in {time.perf_counter() - start:.1f} s{then}")

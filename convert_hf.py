@@ -7,13 +7,11 @@ q/k rows stay in HF's "rotate_half" RoPE layout, which model.apply_rope expects.
 weights are stored HF-style: the model multiplies by (1 + w) (ModelArgs.norm_weight_offset).
 """
 import json
-import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from architectures import (ARCHITECTURE_DEFAULTS, HF_ARCHITECTURES, HF_DEFAULTS, HF_LAYER_NAMES, HF_MODEL_TYPES,
                            HF_QK_NORM_NAMES, HF_SANDWICH_NAMES, hf_bool, hf_float, hf_int, hf_layers, hf_str,
@@ -21,14 +19,15 @@ from architectures import (ARCHITECTURE_DEFAULTS, HF_ARCHITECTURES, HF_DEFAULTS,
 from checkpoint import TOKENIZER_FILES, check_state, copy_files, write_checkpoint
 from errors import ConvertError, one_line
 from model import ModelArgs
+from progress import progress as progress_bar
 
 # copied next to the tokenizer files: the stop tokens HF's generate() uses, for reference
 HF_EXTRA_FILES = ("generation_config.json",)
 
 
-def progress(desc: str, total=None, unit: str = "tensor") -> tqdm:
-    """A progress bar on stderr, silent when stderr is not a terminal (a log file, a test)."""
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty(), leave=False)
+def progress(desc: str, total=None, unit: str = "tensor"):
+    """A bar on a terminal, else a line every few seconds (progress.py): update() it."""
+    return progress_bar(None, desc, total=total, unit=unit)
 
 
 # ---------------------------------------------------------------- Hugging Face: config
@@ -126,7 +125,7 @@ def hf_config_to_args(cfg: dict, gen_cfg: dict) -> ModelArgs:
 
 # ---------------------------------------------------------------- Hugging Face: weights
 
-def read_safetensors(path: Path, bar: tqdm) -> dict:
+def read_safetensors(path: Path, bar) -> dict:
     try:
         with safe_open(str(path), framework="pt") as f:
             names = list(f.keys())

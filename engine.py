@@ -12,6 +12,7 @@ decoding request, and prompt tokens riding along) go through one compiled forwar
 comes with no request decoding goes in chunks of its own.
 """
 import collections
+import copy
 import resource
 import statistics
 import sys
@@ -26,7 +27,7 @@ from torch import Tensor
 import kernels
 from blocks import BlockManager
 from checkpoint import huge_page_zeros
-from compile import compile_step, guards_skipped, tag_compile_cache
+from compile import compile_step, compiling, guards_skipped, tag_compile_cache
 from errors import UserError
 from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides
 from grammar import token_masks
@@ -92,7 +93,7 @@ class Engine:
         self.setup(max_batch_size, max_seq_length, kv_tokens, prefix_caching)
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
         self.wakeup = threading.Event()  # set by submit and cancel
-        self.steps, self.last_shape = 0, None
+        self.steps, self.last_shape, self.compiled_ready = 0, None, None  # ready: graphs compiled aside
         # tensor-parallel ranks each build every step's inputs from the plan, never from their own tokens
         self.continues = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.lookahead = self.device.type == "cuda" and self.continues  # launch the next step before reading this one's tokens
@@ -205,12 +206,43 @@ class Engine:
             blocks.forget(b)
             blocks.fresh.append(b)
 
+    @property
+    def step_compiled(self) -> bool:
+        """Whether steps run the compiled graphs (not the eager forward while they compile aside)."""
+        return self.rides is not forward_rides
+
+    def compile_aside(self, plans: list) -> threading.Thread:
+        """Step eagerly while a thread runs plans (on the scratch block) through a copy of this
+        engine that holds the compiled graphs, compiling them; the first step after the last plan
+        takes the graphs up. A server answers at once instead of after minutes of compiling."""
+        compiled = self.rides, self.short_chunk, self.long_chunk
+        aside = copy.copy(self)  # its own last step and shapes; the same model, pools and feeder
+        self.rides, self.short_chunk, self.long_chunk = forward_rides, forward_chunk, forward_chunk
+
+        @torch.inference_mode()
+        def work():
+            try:
+                with compiling(": the next step runs the compiled graphs"):
+                    for plan in plans:
+                        aside.run(plan)
+            except Exception as e:  # the eager step serves on
+                log(f"compiling failed, the step stays eager ({type(e).__name__}: {e})")
+                return
+            self.compiled_ready = compiled
+            self.wakeup.set()
+
+        (thread := threading.Thread(target=work, name="compile", daemon=True)).start()
+        return thread
+
     # ---- the stepping thread
 
     @torch.inference_mode()
     def step(self) -> bool:
         """Schedule, run and post-process one step. False when there was nothing to do."""
         self.steps += 1
+        if self.compiled_ready is not None:  # compiled aside: from this step on, the graphs
+            (self.rides, self.short_chunk, self.long_chunk), self.compiled_ready = self.compiled_ready, None
+            self.last_rides = self.last_out = None
         plan = self.scheduler.schedule()
         if plan.empty():
             return False
@@ -321,7 +353,7 @@ class Engine:
         shape = (inputs["tokens"].shape[0], batch.kv_len, inputs["logit_rows"].shape[0], sampling,
                  None if mask is None else mask.shape)
         same, self.last_shape = shape == self.last_shape, shape
-        with guards_skipped(same):
+        with guards_skipped(same and self.step_compiled):
             out = self.rides(self.model, inputs["tokens"], inputs["positions"], self.block_size, batch.kv_len,
                              inputs["logit_rows"], sampling, mask,
                              **{k: v for k, v in inputs.items() if k not in ("tokens", "positions", "logit_rows")})
@@ -329,15 +361,19 @@ class Engine:
 
     def run_chunk(self, tokens: list, start: int, tables: tuple, every: bool = False) -> Tensor:
         T, device = len(tokens), self.device
-        views = self.feeder.views([(tokens, start, tables)], self.blocks.blocks_for(start + T))
         # a few tokens after cached ones (a verify, what a grammar forced): one graph for any count,
         # every token's logits; a prompt: eager (or compiled with compile_prefill), the last one's
         short = T <= THRESHOLDS.attend_max_queries and start > 0
+        # a dynamic graph specializes sizes of 1 (a graph more to compile): a lone token gets a padding
+        # token beside it, and a table of one block a scratch block after it
+        fed = tokens + [0] * (2 - T) if short else tokens
+        blocks = self.blocks.blocks_for(start + len(fed))
+        views = self.feeder.views([(fed, start, tables)], max(blocks, 2) if short else blocks, real=T)
         last = None if every or short else torch.tensor([[T - 1]], device=device)
         logits = (self.short_chunk if short else self.long_chunk)(
-            self.model, torch.tensor([tokens], device=device), torch.arange(start, start + T, device=device).view(1, -1),
-            self.block_size, start + T, start == 0, last, **views)[0]
-        return logits if every else logits[-1]
+            self.model, torch.tensor([fed], device=device), torch.arange(start, start + len(fed), device=device).view(1, -1),
+            self.block_size, start + len(fed), start == 0, last, **views)[0]
+        return logits[:T] if every else logits[T - 1 if short else -1]
 
     def step_width(self, rows: int) -> int:
         """The rows a step of `rows` runs with: at least min_rows; with pad_rows, a power of two."""
@@ -456,21 +492,20 @@ class Engine:
         steps = min(3, self.max_seq_length - max(len(p) for p in prompts))
         log("compiling (about a minute the first time, cached on disk afterwards"
             "; every run with --compile_mode max)...")
-        start = time.perf_counter()
-        if steps > 0:
-            self.generate(prompts, steps, sampling, host=host)
-        if (host or constrained) and len(prompts) == 1:  # the chunks of forced tokens
-            self.warm_up_chunks(3)
-        if constrained and self.sample_in_step and not host and not sampling.adjusts:
-            self.warm_up_mask(len(prompts), sampling)
+        with compiling():
+            if steps > 0:
+                self.generate(prompts, steps, sampling, host=host)
+            if (host or constrained) and len(prompts) == 1:  # the chunks of forced tokens
+                self.warm_up_chunks(3)
+            if constrained and self.sample_in_step and not host and not sampling.adjusts:
+                self.warm_up_mask(len(prompts), sampling)
         self.forget_prefixes()
-        log(f"compiled in {time.perf_counter() - start:.1f} s")
 
     def chunk_plans(self, longest: int) -> list:
         """Steps that run the graph of a few tokens after cached ones (a verify, a grammar's forced
-        tokens, a prompt's tail after a prefix hit) in the shapes that compile apart: one token or
-        more, a block table of one block or more (a dynamic graph specializes sizes of 1), up to
-        longest tokens. Nothing is kept (the scratch block)."""
+        tokens, a prompt's tail after a prefix hit): one graph for them all (run_chunk pads the
+        sizes of 1 a dynamic graph would specialize), met in the shapes that compiled apart before,
+        up to longest tokens. Nothing is kept (the scratch block)."""
         plans = []
         for T, pos in ((longest, 3), (2, 20), (3, 5), (1, 9), (1, 40)):
             pos = max(1, min(pos, self.max_seq_length - T))

@@ -12,7 +12,6 @@ SmolLM2 tokens), see data/README.md.
 """
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import errors
@@ -23,13 +22,13 @@ if __name__ == "__main__":
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 
 import checkpoint
 from engine import Engine, log
 from errors import UserError, run_cli
 from loading import check_vocabulary, load_model, parse_device, parse_dtype
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
+from progress import Lines, progress as progress_bar
 from rope import trained_context
 from scheduler import Request
 from tokenizer import Tokenizer
@@ -48,8 +47,7 @@ def perplexity(model, ids: list, window: int, stride: int, chunk: int = 0,
     device = model.norm.weight.device
     nll, scored, next_target = 0.0, 0, 1  # token 0 has no context and is never predicted
     starts = list(range(0, max(len(ids) - 1, 1), stride))
-    with tqdm(starts, desc="perplexity", unit="window", file=sys.stderr,
-              disable=not (progress and sys.stderr.isatty())) as bar:
+    with (progress_bar(starts, "perplexity", unit="window") if progress else Lines(starts, every=math.inf)) as bar:
         for begin in bar:
             end = min(begin + window, len(ids))
             logits = window_logits(engine, ids[begin:end], chunk)  # (T, vocab), float32

@@ -79,16 +79,17 @@ class Feeder:
         scratch = self.scratch[group]
         return [b if b >= 0 else scratch for b in blocks[:n]] + [scratch] * (n - len(blocks[:n]))
 
-    def views(self, rows: list, n: int) -> dict:
+    def views(self, rows: list, n: int, real: Optional[int] = None) -> dict:
         """rows (tokens, start, tables): ForwardBatch's block_table (R, n) and slots (R, T), and a
-        mixed model's window_table and window_slots."""
+        mixed model's window_table and window_slots; tokens past the first `real` are padding,
+        written to the scratch block."""
         bs, out = self.block_size, {}
         for group, (table_key, slots_key) in enumerate((("block_table", "slots"), ("window_table", "window_slots"))):
             if self.scratch[group] is None:
                 continue
             tables = [self.table_row(t[group], n, group) for _, _, t in rows]
-            slots = [[table[p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
-                     for (tokens, start, _), table in zip(rows, tables)]
+            slots = [[table[p // bs] * bs + p % bs if real is None or p < start + real else self.scratch[group] * bs
+                      for p in range(start, start + len(tokens))] for (tokens, start, _), table in zip(rows, tables)]
             out[table_key] = torch.tensor(tables, device=self.device)
             out[slots_key] = torch.tensor(slots, device=self.device)
         return out

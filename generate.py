@@ -106,9 +106,9 @@ class TextRows:
         if self.print_row:
             self.write(texts[0])
             sys.stdout.write("\n")
-        else:
-            for text in texts:
-                print(text, flush=True)
+        else:  # several rows: each under a line of its own, so that texts with newlines stay apart
+            for b, text in enumerate(texts):
+                print(f"--- row {b + 1} of {len(texts)} ---\n{text}", flush=True)
         return texts
 
 

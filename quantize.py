@@ -30,6 +30,7 @@ import checkpoint
 from errors import QuantizeError, run_cli
 from memory import Need, activation_bytes, check_memory, kv_cache_bytes, logits_bytes, weight_bytes
 from packing import nibbles_to_bytes, pad_columns
+from progress import progress as progress_bar
 from qlayers import GROUPSIZES, INT4, INT8, SCHEMES, Format, Scheme, is_experts, layer_format, linear_names, meta_model
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "macbeth.txt"
@@ -40,8 +41,8 @@ def log(message: str):
 
 
 def progress(items, desc: str, unit: str):
-    """A progress bar on stderr, shown only when stderr is a terminal."""
-    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty())
+    """A bar on a terminal, else a line every few seconds (progress.py)."""
+    return progress_bar(items, desc, unit=unit)
 
 
 # ---------------------------------------------------------------- quantizing a matrix

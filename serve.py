@@ -33,13 +33,13 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 import checkpoint
 import kernels
-from compile import COMPILE_MODES
+from compile import COMPILE_MODES, compiling
 from engine import BLOCK_SIZE, Engine, log
 from forwards import buckets
 from loading import check_vocabulary, load_model, meta_model, parse_device, parse_dtype, preflight
@@ -114,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile the decode step (default: on; compiles at start-up)")
+                   help="compile the decode step (default: on)")
+    p.add_argument("--wait_for_compile", action="store_true",
+                   help="answer only once the step is compiled (default on CPU: serve with the eager step "
+                        "at once and switch to the compiled one when it is ready; on CUDA it always waits)")
     p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
                    help="regional: compile one layer and reuse it for every layer, a fraction of the startup; "
                         "max: see generate.py --help")
@@ -157,18 +160,14 @@ def kv_tokens(args) -> int:
     return args.kv_cache_tokens or args.max_batch_size * args.max_seq_length
 
 
-def warm_up(engine: Engine):
-    """Compile the decode step before serving (a request would otherwise wait for the compiler in
-    the middle of serving), on the scratch block. On CPU: two batch sizes (one with prompt rows,
-    which need no logits) and two cache lengths, the second step changing all three at once so
-    that one recompile makes the graph general in them; then steps of as many rows, and as many
-    logits, as make the float products change kernels (kernels.compiled_onednn_min_tokens), which
-    compile apart. On CUDA the step is general from the first compile: every shape a step takes
-    (power-of-two rows, each cache bucket), twice, so that each is recorded as a CUDA graph."""
-    if not engine.compiled:
-        return
-    start = time.perf_counter()
-    log("compiling the decode step (a minute or more the first time, cached on disk afterwards)...")
+def warm_up_plans(engine: Engine) -> list:
+    """The steps that compile every shape serving meets (a request would otherwise wait for the
+    compiler in the middle of serving), on the scratch block. On CPU: two batch sizes (one with
+    prompt rows, which need no logits) and two cache lengths, the second step changing all three at
+    once so that one recompile makes the graph general in them; then steps of as many rows, and as
+    many logits, as make the float products change kernels (kernels.compiled_onednn_min_tokens),
+    which compile apart. On CUDA the step is general from the first compile: every shape a step
+    takes (power-of-two rows, each cache bucket), twice, so that each is recorded as a CUDA graph."""
     B, fused = engine.max_batch_size, engine.scheduler.fused_rows
 
     def step(decoding: int, prompt: int, pos: int) -> StepPlan:
@@ -191,13 +190,25 @@ def warm_up(engine: Engine):
             plans.append(step(wide, 0, pos))
         if B >= wide:  # many rows and many logits: as many streams
             plans.append(step(wide, 2 if fused >= wide + 2 else 0, pos))
-    plans += engine.chunk_plans(THRESHOLDS.attend_max_queries)  # a prompt's few tokens after cached blocks
-    with torch.inference_mode():
+    return plans + engine.chunk_plans(THRESHOLDS.attend_max_queries)  # a prompt's few tokens after cached blocks
+
+
+def warm_up(engine: Engine, aside: bool = False) -> Optional[threading.Thread]:
+    """Compile the step before serving, or (aside) on a thread of its own while the eager step
+    serves: the server answers within seconds and reaches the compiled speed when the graphs are
+    ready (or found in the on-disk cache)."""
+    if not engine.compiled:
+        return
+    plans = warm_up_plans(engine)
+    if aside:
+        log("serving with the eager step while the compiled one compiles (cached on disk afterwards)")
+        return engine.compile_aside(plans)
+    log("compiling the decode step (a minute or more the first time, cached on disk afterwards)...")
+    with torch.inference_mode(), compiling():
         for plan in plans:
             if engine.broadcast is not None:
                 engine.broadcast(plan)
             engine.run(plan)
-    log(f"compiled in {time.perf_counter() - start:.1f} s")
 
 
 def load_engine(args, tp) -> tuple[Tokenizer, Engine]:
@@ -327,8 +338,8 @@ def main(argv=None):
     tokenizer, engine = load_engine(args, tp)
     if tp is not None and not lead_or_follow(engine, tp):
         return
-    if args.compile:
-        warm_up(engine)
+    if args.compile:  # CUDA graphs are recorded with the device to themselves; tensor parallelism steps in lockstep
+        warm_up(engine, aside=not args.wait_for_compile and engine.device.type == "cpu" and tp is None)
     serve(args, engine, tokenizer)
 
 

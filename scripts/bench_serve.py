@@ -50,6 +50,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def compiling(url: str) -> bool:
+    """Whether a server serves with its eager step while the compiled one compiles (measured after)."""
+    try:
+        return "minillm_step_compiling 1" in urllib.request.urlopen(url + "/metrics", timeout=2).read().decode()
+    except OSError:  # llama-server without --metrics
+        return False
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -57,9 +65,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900):
             raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
             urllib.request.urlopen(url + "/health", timeout=2)
-            return
         except OSError:
             time.sleep(0.5)
+            continue
+        if not compiling(url):
+            return
+        time.sleep(0.5)
     raise RuntimeError("the server did not start")
 
 

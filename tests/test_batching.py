@@ -134,6 +134,26 @@ def test_warm_up_compiles_every_step_shape():
         assert max(widths) > 16 and min(widths) < 16, widths
 
 
+def test_compile_aside_serves_eagerly_then_switches():
+    """serve.py's default on CPU: steps run eagerly at once while a thread compiles the warm-up's
+    shapes, then take up the compiled graphs; each request's greedy tokens are its solo run's
+    either way, and once switched no step compiles."""
+    import serve
+    model = random_model(device=TEST_DEVICE)
+    ps = prompts(6, seed=11)
+    want = [alone(model, p, 12) for p in ps]
+    engine = serving(kernels.install(copy.deepcopy(model)), 4, 200, compile=True, prefill_chunk=64)
+    torch._dynamo.reset()
+    thread = serve.warm_up(engine, aside=True)
+    assert thread.is_alive() and not engine.step_compiled
+    first = run_all(engine, {0: [Request(p, 12) for p in ps[:3]]})
+    thread.join(timeout=900)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        rest = run_all(engine, {0: [Request(p, 12) for p in ps[3:]]})
+    assert engine.step_compiled
+    assert [r.out for r in first + rest] == want
+
+
 def test_padded_rows_compile_once_and_change_no_token():
     """The CUDA step (run here on CPU): rows padded to powers of two, compiled general in every
     size from the first call. After the warm-up no step compiles, every step has a power-of-two

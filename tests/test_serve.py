@@ -118,6 +118,28 @@ def test_same_text_as_generate(client, reference):
         assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_serves_while_compiling(smollm2_dir, reference):
+    """The default on CPU: /health answers before the step is compiled (a cold compile takes
+    minutes), the eager step serves generate.py's text meanwhile, and the compiled one takes over."""
+    start = time.perf_counter()
+    proc, url = start_server(smollm2_dir, "--max_seq_length", 256, "--compile_mode", "regional")
+    try:
+        assert time.perf_counter() - start < 60
+        assert metrics(url)["minillm_step_compiling"] == 1  # the compile thread is still running
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+        def text():
+            return client.completions.create(model="smollm2-135m", prompt=PROMPTS[0], max_tokens=24, temperature=0).choices[0].text
+        assert text() == reference[False, PROMPTS[0]]
+        deadline = time.time() + 900
+        while metrics(url)["minillm_step_compiling"] == 1 and time.time() < deadline:
+            time.sleep(2)
+        assert metrics(url)["minillm_step_compiling"] == 0
+        assert text() == reference[False, PROMPTS[0]]
+    finally:
+        assert stop_server(proc) == 0
+
+
 def test_concurrent_requests_as_alone(client, server):
     """16 requests of different lengths at once and while others run: each greedy text equals its
     solo run; seeded sampled requests are reproducible."""

@@ -52,7 +52,9 @@ def test_generate_shape_prints_token_ids():
     r = run_script("generate.py", "--shape", "tiny", "--quantize", "int8", "--max_new_tokens", "6", "--ignore_eos",
                    "--no-compile", "--batch_size", "2")
     assert r.returncode == 0, r.stderr
-    rows = r.stdout.split("\n")
+    lines = r.stdout.splitlines()
+    assert lines[0] == "--- row 1 of 2 ---" and lines[2] == "--- row 2 of 2 ---"  # each row labelled
+    rows = lines[1::2]
     assert [len(row.split()) for row in rows[:2]] == [6, 6] and all(t.isdigit() for t in rows[0].split())
     assert "made tiny with random weights (int8)" in r.stderr
 
