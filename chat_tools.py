@@ -3,12 +3,21 @@
 call's JSON read back into a reply's `tool_calls`.
 """
 import json
-import uuid
+import re
 from typing import Optional
 
 from openai_request import APIError, Params
+from tool_parsers import new_call
 
 ROLES = ("system", "user", "assistant", "tool")
+# JSON schema keywords that hold schemas (by name; in lists), and those that say or share an object's other properties
+SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+COMPOSED = {"additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "if",
+            "not", "$ref", "dependentSchemas"}
+# the start of a call under tool_choice "required", as its grammar writes it (keys in order, fixed separators)
+CALL_START = '{"name": "'
+CUT_CALL = re.compile(r'\{"name": "(?P<name>[^"\\]*)(?P<closed>"(, "arguments": (?P<arguments>.*))?)?', re.DOTALL)
 
 
 def tool_functions(tools) -> dict:
@@ -97,10 +106,29 @@ def call_schema(functions: dict) -> dict:
     """The JSON schema of a call to one of `functions` (name -> parameters' schema):
     {"name": <its name>, "arguments": <its parameters>}."""
     return {"anyOf": [{"type": "object", "properties": {"name": {"const": name},
-                                                         "arguments": rebase_refs(parameters,
+                                                         "arguments": rebase_refs(closed(parameters),
                                                                                   f"#/anyOf/{i}/properties/arguments")},
                        "required": ["name", "arguments"], "additionalProperties": False}
                       for i, (name, parameters) in enumerate(functions.items())]}
+
+
+def closed(schema):
+    """A copy of a parameters' schema whose objects with `properties` take no others where it does not
+    say (as OpenAI's calls hold to the schema; JSON schema's default would let the model add any).
+    Objects composed with others are left open: closing one part would forbid the other parts' properties."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed(v) for name, v in value.items()}
+        elif key in SCHEMA_LISTS and isinstance(value, list) and (key == "prefixItems" or "properties" not in schema):
+            out[key] = [closed(v) for v in value]
+        elif key in ("items", "additionalProperties", "contains"):
+            out[key] = closed(value)
+    if isinstance(schema.get("properties"), dict) and not COMPOSED & set(schema):
+        out["additionalProperties"] = False
+    return out
 
 
 def rebase_refs(schema, root: str):
@@ -119,7 +147,7 @@ def parse_tools(body: dict) -> Optional[tuple]:
     functions, choice = tool_functions(body.get("tools")), body.get("tool_choice")
     if choice is not None and not functions:  # as OpenAI, "none" too
         raise APIError(400, "`tool_choice` is only allowed when `tools` are specified", "tool_choice")
-    if choice is None or choice in ("none", "auto"):  # "auto": no tool call is detected in free text
+    if choice is None or choice in ("none", "auto"):  # "auto": calls are read from the free text (tool_parsers.py)
         return None
     if choice == "required":
         return call_schema(functions), None
@@ -128,22 +156,31 @@ def parse_tools(body: dict) -> Optional[tuple]:
         if not isinstance(name, str) or name not in functions:
             raise APIError(400, f"`tool_choice` names the function {name!r}, which is not in `tools`",
                            "tool_choice")
-        return functions[name], name
+        return closed(functions[name]), name
     raise APIError(400, '`tool_choice` must be "none", "auto", "required" or '
                         '{"type": "function", "function": {"name": ...}}', "tool_choice")
 
 
-def tool_calls(params: Params, text: str) -> Optional[list]:
-    """A reply's `tool_calls` from the call's generated JSON; None if it is not a whole call."""
+def tool_calls(params: Params, text: str, cut: bool = False) -> Optional[list]:
+    """A reply's `tool_calls` from the call's generated JSON; None if it is not a call. A call cut by
+    max_tokens (`cut`) is still one, with the arguments written so far, as OpenAI reports it."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        return None
+        if not cut:
+            return None
+        value = None
     if params.tool_name is not None:
         name, arguments = params.tool_name, text
     elif isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
         name, arguments = value["name"], json.dumps(value["arguments"], ensure_ascii=False)
+    elif value is None and (begun := CUT_CALL.match(CALL_START if CALL_START.startswith(text) else text)):
+        name, arguments = begun["name"], begun["arguments"] or ""
+        if begun["closed"] is None:  # cut inside the name: the function whose name it begins, if one only
+            names = [f for f in params.functions if f.startswith(name)]
+            if len(names) != 1:
+                return None
+            name = names[0]
     else:
         return None
-    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-             "function": {"name": name, "arguments": arguments}}]
+    return [new_call(name, arguments)]

@@ -30,6 +30,7 @@ from openai_request import (CONSTRAINT_FIELDS, APIError, Params, check_context, 
 from prompt_store import model_fingerprint
 from scheduler import QueueFull, Request
 from tokenizer import StopStrings, Tokenizer
+from tool_parsers import CallReader, call_format, read_calls
 
 
 class Server:
@@ -39,6 +40,7 @@ class Server:
 
         self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
         self.checkpoint_dir, self._grammars = checkpoint_dir, None
+        self.call_format = call_format(tokenizer.chat_template)  # how the model writes calls under tool_choice "auto"
         self.token_texts: dict = {}  # token id -> its text decoded alone (logprobs)
         self.created = int(time.time())
         self.fingerprint = system_fingerprint(engine, checkpoint_dir)
@@ -100,11 +102,14 @@ class Server:
         sampling = parse_sampling(body, temperature, top_k, top_p, vocab_size)
         logprobs = parse_logprobs(body, chat)
         grammar, tool_call, tool_name = self.parse_constraint(body, chat)  # last: it compiles
+        functions = frozenset(tool_functions(body.get("tools"))) if chat else frozenset()
+        reads_calls = bool(functions) and body.get("tool_choice") in (None, "auto") and self.call_format is not None
         return Params(prompts=prompts, max_tokens=max_tokens, sampling=sampling, n=n, seed=seed,
                       stop=parse_stop(body["stop"]) if body.get("stop") is not None else [],
                       stream=bool(body.get("stream")), include_usage=include_usage,
                       ignore_eos=bool(body.get("ignore_eos")), logprobs=logprobs, grammar=grammar,
-                      tool_call=tool_call, tool_name=tool_name)
+                      tool_call=tool_call, tool_name=tool_name, functions=functions,
+                      call_format=self.call_format if reads_calls else None)
 
     def parse_constraint(self, body: dict, chat: bool) -> tuple:
         """(the compiled grammar every choice must match or None, whether the output is a tool call,
@@ -343,14 +348,18 @@ def logprobs_body(server: Server, entries: list, chat: bool) -> dict:
 
 
 def reply(params: Params, text: str, reason: str) -> tuple:
-    """A chat choice's message and finish_reason: a tool call's JSON becomes `tool_calls` (one cut off
-    by max_tokens stays text, with finish_reason "length")."""
-    calls = tool_calls(params, text) if params.tool_call and reason == "stop" else None
+    """A chat choice's message and finish_reason: a constrained call's JSON, or the calls the text
+    holds under tool_choice "auto", become `tool_calls` (finish_reason "tool_calls", or "length" when
+    max_tokens cut the reply: a cut constrained call is still reported as one)."""
+    content, calls = None, None
+    if params.tool_call:
+        calls = tool_calls(params, text, cut=reason == "length")
+    elif params.call_format is not None:
+        content, calls = read_calls(params.call_format, params.functions, text)
     if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": content, "tool_calls": calls}, \
+            "length" if reason == "length" else "tool_calls"
     return {"role": "assistant", "content": text}, reason
-
-
 
 
 # ---------------------------------------------------------------- routes
@@ -369,14 +378,18 @@ def failure(reason: str, error: Optional[str]) -> Optional[APIError]:
 
 
 class Stream:
-    """A streamed request's server-sent events: a chunk per piece of a choice's text (a tool call's
-    text held back and sent whole at its end), each choice's finish_reason, then usage if asked."""
+    """A streamed request's server-sent events: a chunk per piece of a choice's text (a constrained
+    call's text held back and sent whole at its end; under tool_choice "auto", the content and then
+    each call once whole), each choice's finish_reason, then usage if asked."""
 
     def __init__(self, server: Server, choices: list, queue: asyncio.Queue, params: Params, chat: bool, base: dict):
         self.server, self.choices, self.queue, self.params, self.chat, self.base = \
             server, choices, queue, params, chat, base
         self.obj = "chat.completion.chunk" if chat else "text_completion"
-        self.held = [["", []] for _ in choices]  # a tool call's text and logprobs: sent whole at its end
+        self.held = [["", []] for _ in choices]  # text and logprobs not sent yet (a constrained call's: all)
+        self.readers = [CallReader(params.call_format, params.functions) if params.call_format else None
+                        for _ in choices]
+        self.calls = [0] * len(choices)  # tool calls sent, per choice
 
     def chunk(self, i, text, entries, reason=None, calls=None, role=False) -> str:
         params = self.params
@@ -384,7 +397,8 @@ class Stream:
         if self.chat:
             delta = {"content": text} if text else {}
             if calls:
-                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+                delta = {"tool_calls": [{"index": self.calls[i] + k, **call} for k, call in enumerate(calls)]}
+                self.calls[i] += len(calls)
             if role:
                 delta = {"role": "assistant", "content": ""}
             body = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -392,6 +406,15 @@ class Stream:
             body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         extra = {"usage": None} if params.include_usage else {}
         return "data: " + json.dumps({**self.base, "object": self.obj, "choices": [body], **extra}) + "\n\n"
+
+    def read(self, i: int, events: list) -> list:
+        """Chunks of a choice's CallReader events, each with the logprobs held until it."""
+        out = []
+        for kind, value in events:
+            entries, self.held[i][1] = self.held[i][1], []
+            out.append(self.chunk(i, value, entries) if kind == "content" else
+                       self.chunk(i, "", entries, calls=[value]))
+        return out
 
     async def events(self):
         params, held = self.params, self.held
@@ -406,6 +429,10 @@ class Stream:
                     if params.tool_call:
                         held[i][0] += text
                         held[i][1] += entries
+                    elif self.readers[i]:
+                        held[i][1] += entries
+                        for chunk in self.read(i, self.readers[i].feed(text)):
+                            yield chunk
                     else:
                         yield self.chunk(i, text, entries)
                     continue
@@ -418,7 +445,12 @@ class Stream:
                     message, reason = reply(params, held[i][0], reason)
                     yield self.chunk(i, held[i][0] if message["content"] else "", held[i][1],
                                      calls=message.get("tool_calls"))
-                yield self.chunk(i, "", [], reason)
+                    held[i][1] = []
+                elif self.readers[i]:
+                    for chunk in self.read(i, self.readers[i].finish()):
+                        yield chunk
+                    reason = reason if reason == "length" or not self.calls[i] else "tool_calls"
+                yield self.chunk(i, "", held[i][1], reason)
             if params.include_usage:
                 yield "data: " + json.dumps({**self.base, "object": self.obj, "choices": [],
                                              "usage": usage(params, self.choices)}) + "\n\n"

@@ -6,6 +6,7 @@ from typing import Optional
 
 from errors import UserError
 from sampling import MAX_LOGPROBS, Sampling, check_sampling
+from tool_parsers import CallFormat
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 MAX_N = 16  # choices per request: `n` times the number of prompts (a list `prompt` of /v1/completions)
@@ -62,6 +63,8 @@ class Params:
     tool_call: bool = False  # the output is a function call, returned as `tool_calls`
     tool_name: Optional[str] = None  # ... of this function (the output is its arguments); None: the output
                                      # is {"name": ..., "arguments": ...} (tool_choice "required")
+    functions: frozenset = frozenset()  # the names of the functions in `tools`
+    call_format: Optional[CallFormat] = None  # tool_choice "auto": calls are read from the text in this format
 
 
 KIND_NAMES = {float: "a number", int: "an integer", bool: "a boolean", str: "a string", dict: "an object",

@@ -1,8 +1,9 @@
 """serve.py's structured output and sampling controls, through the official `openai` client:
 `.parse()` with a Pydantic model, json_object / json_schema / regex / grammar, tool calls (named
-and "required", streamed too), tools given to the chat template and a conversation that carries a
-call and its result, logprobs (chat, completions, streamed, under a grammar), penalties, logit_bias
-and min_p, the same constrained greedy text as the engine, and a 400 for each bad input."""
+and "required", cut ones, calls read from the text under "auto", streamed too), tools given to the
+chat template and a conversation that carries a call and its result, logprobs (chat, completions,
+streamed, under a grammar), penalties, logit_bias and min_p, the same constrained greedy text as the
+engine, and a 400 for each bad input."""
 import enum
 import json
 import re
@@ -147,8 +148,70 @@ def test_tool_calls_named_and_required(client):
     assert len(calls) == 1 and calls[0].index == 0 and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any(chunk.choices[0].delta.content for chunk in chunks)
     check_call(calls[0], "add")
-    r = chat(client, "What is 2 + 3?", max_tokens=8, tools=TOOLS, tool_choice="auto")  # tools ignored: text
+    # SmolLM2's template teaches no call format: "auto" gives text
+    r = chat(client, "What is 2 + 3?", max_tokens=8, tools=TOOLS, tool_choice="auto")
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+# a Hermes-style template (Qwen2.5's, abridged): the tools in <tools>, each call in <tool_call> tags
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call functions:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}</tools>\nFor each call, reply with <tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SAID = 'Let me add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def hermes_client(smollm2_dir, tmp_path_factory):
+    """A server of SmolLM2's weights under a Hermes-style chat template, and its client."""
+    root = tmp_path_factory.mktemp("hermes")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (root / name).symlink_to(smollm2_dir / name)
+    shutil.copy(smollm2_dir / "tokenizer_config.json", root)
+    (root / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    proc, url = start_server(root, "--max_batch_size", 2, "--max_seq_length", 512, "--no-compile",
+                             "--model_name", MODEL)
+    yield openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    assert stop_server(proc) == 0
+
+
+def test_auto_tool_calls_are_read_from_text(hermes_client):
+    """tool_choice "auto": the calls the model writes in its template's format come back as `tool_calls`,
+    the text before them as content, streamed too. The model's text is made deterministic with a
+    grammar that forces it (the call is still read from the generated text)."""
+    forced = {"grammar": "start: " + json.dumps(SAID)}
+    for choice in ({"tool_choice": "auto"}, {}):  # "auto" is the default when tools are sent
+        r = chat(hermes_client, "What is 2 + 3?", max_tokens=60, tools=TOOLS, extra_body=forced, **choice)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Let me add them."
+        [call] = r.choices[0].message.tool_calls
+        check_call(call, "add")
+        assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    chunks = list(chat(hermes_client, "What is 2 + 3?", max_tokens=60, tools=TOOLS, extra_body=forced, stream=True))
+    content = [chunk.choices[0].delta.content for chunk in chunks if chunk.choices[0].delta.content]
+    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+    assert "".join(content) == "Let me add them." and len(content) > 1  # the text went out as it came
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "add"
+    assert json.loads(calls[0].function.arguments) == {"a": 2, "b": 3}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # a call of a function not in `tools` is text
+    r = chat(hermes_client, "What is 2 + 3?", max_tokens=60, tools=TOOLS[:1], extra_body=forced)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == SAID
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_cut_constrained_call_is_a_call(hermes_client):
+    """A "required" or named call cut by max_tokens comes back as a call with finish_reason "length"."""
+    for choice in ("required", NAMED):
+        r = chat(hermes_client, "What is 2 + 3?", max_tokens=3, tools=TOOLS[1:], tool_choice=choice)
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None
+        assert r.choices[0].message.tool_calls[0].function.name == "add"
+        chunks = list(chat(hermes_client, "What is 2 + 3?", max_tokens=3, tools=TOOLS[1:], tool_choice=choice,
+                           stream=True))
+        calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+        assert chunks[-1].choices[0].finish_reason == "length" and calls[0].function.name == "add"
 
 
 def test_chat_template_sees_tools_and_tool_calls(smollm2_dir, tmp_path, tokenizer):
