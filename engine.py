@@ -33,7 +33,7 @@ from grammar import token_masks
 from memory import Need, check_memory, kv_cache_bytes
 from model import Transformer, param_bytes
 from rope import recompute_position
-from sampling import Sampling, pick_tokens
+from sampling import Sampling, pick_tokens, token_logprobs
 from scheduler import Request, Scheduler, StepPlan
 from thresholds import THRESHOLDS
 
@@ -350,7 +350,10 @@ class Engine:
         for req, (tokens, _, _, *_) in zip(plan.chunk_requests, plan.chunks):
             fed[req] += len(tokens)
         ready = [(plan.requests[i], rides_out[j]) for j, i in enumerate(plan.wants)]
-        for req, (tokens, start, _, *_), logits in zip(plan.chunk_requests, plan.chunks, chunks_out):
+        for req, (tokens, start, _, *every), logits in zip(plan.chunk_requests, plan.chunks, chunks_out):
+            if every and every[0]:  # a prompt scored for its logprobs: every token's logits (T, V)
+                score_prompt(req, start, len(tokens), logits)
+                logits = logits[-1]
             if start + len(tokens) == len(req.known()):
                 ready.append((req, logits))
         sampled = {}
@@ -534,6 +537,17 @@ class Chat:
         reply_ids = out[:-1] if out and out[-1] in self.tokenizer.eos_ids else out
         self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply_ids)})
         return out, stats
+
+
+def score_prompt(req: Request, start: int, count: int, logits: Tensor):
+    """The logprobs of the prompt tokens that the logits (count, V) of its positions start.. predict
+    (req.prompt_token_logprobs[i]: token i + 1's); a chunk fed again after a preemption rewrites its own."""
+    end = min(start + count, len(req.prompt) - 1)
+    if end <= start:
+        return
+    targets = req.prompt[start + 1:end + 1]
+    del req.prompt_token_logprobs[start:]
+    req.prompt_token_logprobs += token_logprobs(logits[:end - start], targets, [req.prompt_logprobs] * len(targets))
 
 
 # ---------------------------------------------------------------- metrics
