@@ -13,7 +13,6 @@ comes with no request decoding goes in chunks of its own.
 """
 import collections
 import copy
-import resource
 import statistics
 import sys
 import threading
@@ -31,10 +30,10 @@ from compile import compile_step, compiling, guards_skipped, tag_compile_cache
 from errors import UserError
 from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides
 from grammar import token_masks
-from memory import Need, check_memory, kv_cache_bytes
+from memory import Need, check_memory, kv_cache_bytes, peak_memory_bytes
 from model import Transformer, param_bytes
 from rope import recompute_position
-from sampling import Sampling, pick_tokens
+from sampling import Sampling, pick_tokens, score_prompt
 from scheduler import Request, Scheduler, StepPlan
 from thresholds import THRESHOLDS
 
@@ -386,7 +385,10 @@ class Engine:
         for req, (tokens, _, _, *_) in zip(plan.chunk_requests, plan.chunks):
             fed[req] += len(tokens)
         ready = [(plan.requests[i], rides_out[j]) for j, i in enumerate(plan.wants)]
-        for req, (tokens, start, _, *_), logits in zip(plan.chunk_requests, plan.chunks, chunks_out):
+        for req, (tokens, start, _, *every), logits in zip(plan.chunk_requests, plan.chunks, chunks_out):
+            if every and every[0]:  # a prompt scored for its logprobs: every token's logits (T, V)
+                score_prompt(req, start, len(tokens), logits)
+                logits = logits[-1]
             if start + len(tokens) == len(req.known()):
                 ready.append((req, logits))
         sampled = {}
@@ -572,12 +574,6 @@ class Chat:
 
 
 # ---------------------------------------------------------------- metrics
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
 
 def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> dict:
     steps = len(stats.token_times) - 1  # decode steps after the first token

@@ -3,6 +3,7 @@ estimated from a model built on the meta device, checked against the memory ther
 of it is allocated, so that too much is a one-line error instead of the kernel's OOM killer."""
 import math
 import os
+import resource
 from dataclasses import dataclass
 from typing import Optional
 
@@ -142,3 +143,9 @@ def activation_bytes(args, tokens: int, kv_len: int, dtype: torch.dtype) -> int:
     and the additive attention mask."""
     hidden = max(args.intermediate_size, (args.moe_intermediate_size or 0) * args.n_experts_per_token)
     return tokens * (4 * args.dim + 3 * hidden + kv_len) * dtype.itemsize
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -11,8 +11,9 @@ import json
 import time
 import traceback
 import uuid
+from itertools import zip_longest
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -25,19 +26,19 @@ from chat_tools import chat_messages, parse_tools, tool_calls, tool_functions
 from engine import Engine, log
 from errors import UserError
 from grammar import Grammars
-from openai_request import (CONSTRAINT_FIELDS, APIError, Params, check_context, check_fields, parse_logprobs, parse_n,
-                            parse_prompts, parse_sampling, parse_seed, parse_stop, parse_stream_options)
+from openai_request import (CONSTRAINT_FIELDS, APIError, Params, check_context, check_fields, parse_echo,
+                            parse_logprobs, parse_n, parse_prompts, parse_sampling, parse_seed, parse_stop,
+                            parse_stream_options)
 from prompt_store import model_fingerprint
+from serve_metrics import metrics_registry
 from scheduler import QueueFull, Request
-from tokenizer import StopStrings, Tokenizer
+from tokenizer import StopStrings, StreamDecoder, Tokenizer
 from tool_parsers import CallReader, call_format, read_calls
 
 
 class Server:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: Optional[str] = None,
                  checkpoint_dir: Optional[Path] = None):
-        from prometheus_client import CollectorRegistry, Histogram
-
         self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
         self.checkpoint_dir, self._grammars = checkpoint_dir, None
         self.call_format = call_format(tokenizer.chat_template)  # how the model writes calls under tool_choice "auto"
@@ -46,13 +47,7 @@ class Server:
         self.fingerprint = system_fingerprint(engine, checkpoint_dir)
         self.stop_ids = frozenset(engine.model.args.eos_token_ids) | frozenset(tokenizer.eos_ids)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
-        buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
-        self.ttft = Histogram("minillm_time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=buckets, registry=self.registry)
-        self.itl = Histogram("minillm_inter_token_latency_seconds", "Time between a request's consecutive tokens",
-                             buckets=buckets, registry=self.registry)
+        self.registry, self.ttft, self.itl = metrics_registry(engine)
 
 
     # ---- checking a request
@@ -85,7 +80,8 @@ class Server:
         prompts = [self.chat_prompt(body)] if chat else parse_prompts(body.get("prompt"), self.tokenizer.encode,
                                                                       vocab_size)
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = check_context(prompts, body.get(name), name, self.engine.max_seq_length, chat)
+        echo = parse_echo(body, chat)
+        max_tokens = check_context(prompts, body.get(name), name, self.engine.max_seq_length, chat, echo)
         temperature = body.get("temperature")
         temperature = 1.0 if temperature is None else float(temperature)
         if not 0 <= temperature <= 2:
@@ -107,7 +103,7 @@ class Server:
         return Params(prompts=prompts, max_tokens=max_tokens, sampling=sampling, n=n, seed=seed,
                       stop=parse_stop(body["stop"]) if body.get("stop") is not None else [],
                       stream=bool(body.get("stream")), include_usage=include_usage,
-                      ignore_eos=bool(body.get("ignore_eos")), logprobs=logprobs, grammar=grammar,
+                      ignore_eos=bool(body.get("ignore_eos")), logprobs=logprobs, echo=echo, grammar=grammar,
                       tool_call=tool_call, tool_name=tool_name, functions=functions,
                       call_format=self.call_format if reads_calls else None)
 
@@ -184,7 +180,8 @@ class Server:
             choice.request = Request(list(prompt), params.max_tokens, params.sampling, seed=seed,
                                      stop_ids=frozenset() if params.ignore_eos else self.stop_ids,
                                      on_token=choice.on_token, on_finish=choice.on_finish, constraint=constraint,
-                                     logprobs=params.logprobs)
+                                     logprobs=params.logprobs,
+                                     prompt_logprobs=params.logprobs if params.echo else None)
             choices.append(choice)
         submitted = []
         try:
@@ -216,10 +213,10 @@ def system_fingerprint(engine: Engine, checkpoint_dir: Optional[Path]) -> str:
 
 @dataclass
 class TokenLogprob:
-    """An output token's logprobs (engine.token_logprobs) and where its text lies in the choice's text."""
+    """A token's logprobs (engine.token_logprobs) and where its text lies in the choice's text."""
     token: int
-    logprob: float
-    top: list  # [(token id, logprob)], the most likely first
+    logprob: Optional[float]  # None: an echoed prompt's first token, which has no context
+    top: Optional[list]  # [(token id, logprob)], the most likely first
     start: int
     end: int
 
@@ -227,7 +224,7 @@ class TokenLogprob:
 class Choice:
     """One of a request's n sequences, fed by the engine loop's callbacks: its text so far (stop
     strings held back until they can no longer match), and its tokens' logprobs, which go out
-    with the text they make."""
+    with the text they make; with echo, the prompt's text and logprobs go out first."""
 
     def __init__(self, index: int, params: Params, server: Server, queue: asyncio.Queue):
         self.index, self.params, self.server, self.queue = index, params, server, queue
@@ -238,6 +235,21 @@ class Choice:
         self.tokens: list = []  # TokenLogprob of each output token, with logprobs on
         self.emitted = 0  # of self.tokens, sent
         self.sampled = 0  # of request.token_logprobs, read
+        self.echoed, self.shift = not params.echo, 0  # shift: the echoed prompt's characters, before the output
+
+    def echo_prompt(self, req: Request):
+        """Once, before any output: the prompt's text, and its tokens' logprobs (the first has none)."""
+        if self.echoed:
+            return
+        self.echoed, decoder, text, entries = True, StreamDecoder(self.server.tokenizer), "", []
+        for token, (logprob, top) in zip_longest(req.prompt, [(None, None)] + req.prompt_token_logprobs,
+                                                 fillvalue=(None, None)):
+            start = len(text)
+            text += decoder.push(token)
+            entries.append(TokenLogprob(token, logprob, top, start, len(text)))
+        text += decoder.flush()
+        self.shift = len(text)
+        self.server.post(self.queue, ("text", self.index, text, entries if self.params.logprobs is not None else []))
 
     def on_token(self, req: Request, token: int) -> bool:
         now = time.perf_counter()
@@ -246,11 +258,15 @@ class Choice:
         else:
             self.server.itl.observe(now - self.last)
         self.last = now
+        self.echo_prompt(req)
         entry = None
         if self.sampled < len(req.token_logprobs):  # the engine recorded the sampled token's logprobs
             entry = req.token_logprobs[self.sampled]
             self.sampled += 1
         if token in req.stop_ids:
+            end = len(self.stops.text)
+            if entry is not None and self.params.echo:  # echo lists every token (a scorer counts them): this one too
+                self.tokens.append(TokenLogprob(token, entry[0], entry[1], end, end))
             return False
         start = len(self.stops.text)
         stopped = self.stops.push(token)
@@ -263,6 +279,8 @@ class Choice:
 
     def on_finish(self, req: Request):
         final = req.finish_reason in ("stop", "length")
+        if final:
+            self.echo_prompt(req)
         self.send(self.stops.finish() if final else self.stops.ready(), final=True)
         self.server.post(self.queue, ("finish", self.index, req.finish_reason, req.error))
 
@@ -274,42 +292,11 @@ class Choice:
         i = self.emitted
         while i < len(self.tokens) and (self.tokens[i].end <= len(upto) or final and self.tokens[i].start < len(upto)):
             i += 1
-        entries, self.emitted = self.tokens[self.emitted:i], i
+        entries = [replace(e, start=e.start + self.shift, end=e.end + self.shift) for e in self.tokens[self.emitted:i]]
+        self.emitted = i
         if len(upto) > self.sent or entries:
             self.server.post(self.queue, ("text", self.index, upto[self.sent:], entries))
             self.sent = max(self.sent, len(upto))
-
-
-class EngineCollector:
-    """Prometheus figures read from the engine when /metrics is scraped."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        running, waiting = self.engine.counts()
-        yield GaugeMetricFamily("minillm_requests_running", "Requests running", value=running)
-        yield GaugeMetricFamily("minillm_requests_waiting", "Requests waiting to run", value=waiting)
-        blocks = self.engine.blocks
-        yield GaugeMetricFamily("minillm_kv_cache_usage", "Fraction of the KV cache's blocks held by requests",
-                                value=blocks.used_count() / blocks.num_blocks)
-        yield GaugeMetricFamily("minillm_kv_cache_blocks_total", "Blocks in the KV cache", value=blocks.num_blocks)
-        yield GaugeMetricFamily("minillm_step_compiling", "1 while the eager step serves and the compiled one compiles",
-                                value=int(self.engine.compiled and not self.engine.step_compiled))
-        c = self.engine.counters
-        for name, key, text in [
-            ("minillm_generation_tokens", "generated_tokens", "Tokens generated"),
-            ("minillm_prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests"),
-            ("minillm_prefill_tokens", "prefilled_tokens", "Prompt tokens prefilled (not found in the prefix cache)"),
-            ("minillm_prompt_tokens_cached", "cached_tokens", "Prompt tokens found in the prefix cache"),
-            ("minillm_prefix_cache_queries", "prefix_queries", "Tokens looked up in the prefix cache"),
-            ("minillm_prefix_cache_hits", "prefix_hits", "Tokens found in the prefix cache"),
-            ("minillm_preemptions", "preemptions", "Requests preempted for want of KV cache blocks"),
-            ("minillm_requests_finished", "requests_finished", "Requests finished, for any reason"),
-        ]:
-            yield CounterMetricFamily(name, text, value=c[key])
 
 
 # ---------------------------------------------------------------- responses
@@ -331,19 +318,24 @@ def logprobs_body(server: Server, entries: list, chat: bool) -> dict:
             server.token_texts[token] = server.tokenizer.decode([token])
         return server.token_texts[token]
 
+    def clip(logprob: Optional[float]) -> Optional[float]:
+        return None if logprob is None else max(logprob, -9999.0)  # JSON has no -inf
+
     def one(token: int, logprob: float) -> dict:
         s = text(token)
-        return {"token": s, "logprob": max(logprob, -9999.0), "bytes": list(s.encode())}  # JSON has no -inf
+        return {"token": s, "logprob": clip(logprob), "bytes": list(s.encode())}
 
-    def top(e: TokenLogprob) -> dict:
-        tops = {text(t): max(lp, -9999.0) for t, lp in e.top}
-        tops.setdefault(text(e.token), max(e.logprob, -9999.0))  # the chosen token, as OpenAI adds it
+    def top(e: TokenLogprob) -> Optional[dict]:
+        if e.top is None:  # an echoed prompt's first token
+            return None
+        tops = {text(t): clip(lp) for t, lp in e.top}
+        tops.setdefault(text(e.token), clip(e.logprob))  # the chosen token, as OpenAI adds it
         return tops
 
     if chat:
         return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                             for e in entries], "refusal": None}
-    return {"tokens": [text(e.token) for e in entries], "token_logprobs": [max(e.logprob, -9999.0) for e in entries],
+    return {"tokens": [text(e.token) for e in entries], "token_logprobs": [clip(e.logprob) for e in entries],
             "top_logprobs": [top(e) for e in entries], "text_offset": [e.start for e in entries]}
 
 

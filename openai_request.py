@@ -25,7 +25,7 @@ NEUTRAL = {  # not supported: accepted at the value that means "off", a 400 othe
     "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "store": (False,), "metadata": ({},),
     "service_tier": ("auto", "default"),
 }
-COMPLETION_FIELDS = {"prompt", "logprobs"}
+COMPLETION_FIELDS = {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
 SAMPLING_FIELDS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 # extra body fields that constrain the output -> grammar.py's kind of their value (one constraint per request)
@@ -59,6 +59,7 @@ class Params:
     include_usage: bool = False
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # each token's logprob and this many top ones; None: off
+    echo: bool = False  # completions: the prompt's text before each choice's (with logprobs: its tokens' too)
     grammar: Optional[str] = None  # compiled (grammar.Grammars.compile): every choice's output matches it
     tool_call: bool = False  # the output is a function call, returned as `tool_calls`
     tool_name: Optional[str] = None  # ... of this function (the output is its arguments); None: the output
@@ -124,9 +125,10 @@ def parse_prompts(prompt, encode, vocab_size: int) -> list:
     return [encode(p) if isinstance(p, str) else list(p) for p in many]  # strings as generate.py encodes them
 
 
-def check_context(prompts: list, max_tokens: Optional[int], name: str, limit: int, chat: bool) -> int:
+def check_context(prompts: list, max_tokens: Optional[int], name: str, limit: int, chat: bool,
+                  echo: bool = False) -> int:
     """`max_tokens` (None: OpenAI's default, chat's the context left, completions' 16), checked against
-    the context (--max_seq_length, `limit`) with each prompt."""
+    the context (--max_seq_length, `limit`) with each prompt; 0 only with `echo` (the prompt alone)."""
     longest = max(len(p) for p in prompts)
     which = "the prompt" if len(prompts) == 1 else f"prompt {[len(p) for p in prompts].index(longest)}"
     if longest >= limit:
@@ -134,12 +136,20 @@ def check_context(prompts: list, max_tokens: Optional[int], name: str, limit: in
                             "tokens", "messages" if chat else "prompt", "context_length_exceeded")
     if max_tokens is None:
         max_tokens = limit - longest if chat else 16
-    if max_tokens < 1:
-        raise APIError(400, f"`{name}` must be at least 1", name)
+    if max_tokens < (0 if echo else 1):
+        raise APIError(400, f"`{name}` must be at least {0 if echo else 1}" + ("" if chat or echo else
+                            " (0 only with `echo`: the prompt alone)"), name)
     if longest + max_tokens > limit:
         raise APIError(400, f"{which} ({longest} tokens) + `{name}` ({max_tokens}) exceeds this server's "
                             f"context of {limit} tokens", name, "context_length_exceeded")
     return max_tokens
+
+
+def parse_echo(body: dict, chat: bool) -> bool:
+    echo = None if chat else body.get("echo")  # chat takes only `echo: false` (check_fields)
+    if echo is not None and not isinstance(echo, bool):
+        raise APIError(400, "`echo` must be a boolean", "echo")
+    return bool(echo)
 
 
 def parse_n(body: dict, prompts: int) -> int:

@@ -200,3 +200,14 @@ def pick_tokens(logits: Tensor, rows: list) -> list:
         if lp is not None:
             r.token_logprobs.append(lp)
     return ids
+
+
+def score_prompt(req, start: int, count: int, logits: Tensor):
+    """The logprobs of the prompt tokens that the logits (count, V) of its positions start.. predict
+    (req.prompt_token_logprobs[i]: token i + 1's); a chunk fed again after a preemption rewrites its own."""
+    end = min(start + count, len(req.prompt) - 1)
+    if end <= start:
+        return
+    targets = req.prompt[start + 1:end + 1]
+    del req.prompt_token_logprobs[start:]
+    req.prompt_token_logprobs += token_logprobs(logits[:end - start], targets, [req.prompt_logprobs] * len(targets))

@@ -45,6 +45,7 @@ class Request:
     on_finish: Optional[Callable] = None  # (request), once finish_reason is set
     constraint: Optional[object] = None  # a grammar.Constraint: the output must match it
     logprobs: Optional[int] = None  # record each token's logprob and this many top ones
+    prompt_logprobs: Optional[int] = None  # ... of the prompt's tokens too (fed afresh, not from the prefix cache)
     out: list = field(default_factory=list)  # the new token ids
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "error"
     error: Optional[str] = None
@@ -58,9 +59,14 @@ class Request:
     preemptions: int = 0
     generator: Optional[object] = None  # the engine's random stream for a seeded request
     token_logprobs: list = field(default_factory=list)
+    prompt_token_logprobs: list = field(default_factory=list)  # of prompt tokens 1.. (the first has no context)
 
     def known(self) -> list:
         return self.prompt + self.out
+
+    def scoring(self) -> bool:
+        """Whether its prompt's logprobs are still to be computed: every prompt token's logits are wanted."""
+        return self.prompt_logprobs is not None and len(self.prompt_token_logprobs) < len(self.prompt) - 1
 
     def tables(self) -> tuple:
         """The block tables a forward reads: (blocks, window blocks), copied."""
@@ -201,7 +207,7 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_rows:
                 req = self.waiting[0]
                 known = req.known()
-                cached, _ = self.blocks.match(known[:len(known) - 1])
+                cached = [] if req.scoring() else self.blocks.match(known[:len(known) - 1])[0]
                 need = self.blocks.blocks_for(len(known)) - len(cached)
                 if need + self.promised() > self.blocks.free_count() - sum(self.blocks.refs[b] == 0 for b in cached):
                     break  # it waits for blocks; first come, first served
@@ -280,12 +286,14 @@ class Scheduler:
         floor, budget, fused = MIN_PROMPT_ROWS, self.prefill_chunk, False
         prefilling = sorted((r for r in self.running if len(r.known()) - r.fed > 1), key=lambda r: r.admitted)
         for k, req in enumerate(prefilling):
-            if req not in self.running or self.waits_for_others(req, prefilling[:k]):
+            scoring = req.scoring()
+            if req not in self.running or not scoring and self.waits_for_others(req, prefilling[:k]):
                 continue
-            self.extend_from_cache(req)
+            if not scoring:
+                self.extend_from_cache(req)
             start, known = req.fed, req.known()
             pending = known[start:]
-            if room > 0 and room >= min(len(pending), MIN_PROMPT_ROWS):
+            if not scoring and room > 0 and room >= min(len(pending), MIN_PROMPT_ROWS):
                 n = 0
                 while n < min(room, len(pending)) and (n < floor or spend > 0):
                     spend -= (start + n) / ROW_POSITIONS
@@ -306,7 +314,7 @@ class Scheduler:
             n = min(self.prefill_chunk, len(pending))
             if (n > budget and plan.chunks) or not self.make_room(req, start + n, plan):
                 break
-            plan.chunks.append((pending[:n], start, req.tables()))
+            plan.chunks.append((pending[:n], start, req.tables()) + ((True,) if scoring else ()))
             plan.chunk_requests.append(req)
             budget -= n
 
@@ -349,7 +357,9 @@ class Scheduler:
                 self.seal_full(req)
                 self.release_out_of_window(req)
         for req, token in sampled.items():
-            if req.finish_reason is None and req in self.running:
+            if req.finish_reason is None and req in self.running and not req.max_new_tokens:
+                self.finish(req, "length")  # no new tokens asked for (an echoed prompt alone), its prompt fed
+            elif req.finish_reason is None and req in self.running:
                 self.hand_out(req, req.take(token, jump=self.jump_forward and token not in req.stop_ids))
 
     def seal_full(self, req: Request):

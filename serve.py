@@ -7,7 +7,9 @@ a prefix cache shared by the requests.
 The official `openai` client works against it (base_url="http://127.0.0.1:8000/v1"):
 /v1/completions and /v1/chat/completions, streamed (server-sent events) or not, /v1/models,
 /health, and /metrics in Prometheus text. Sampling takes OpenAI's and vLLM's controls (penalties,
-logit_bias, min_p, top_k, seed) and returns logprobs.
+logit_bias, min_p, top_k, seed) and returns logprobs; /v1/completions' `echo` returns the prompt
+too, and with `logprobs` its tokens' log-probabilities (`max_tokens` 0: the prompt alone), as
+evaluation harnesses (lm-evaluation-harness's local-completions) score likelihoods.
 
 Structured output (grammar.py, llguidance): `response_format` json_object or json_schema (so
 `client.chat.completions.parse(response_format=PydanticModel)` works), or the extra body fields

@@ -274,6 +274,40 @@ def test_prefix_reuse():
     assert same.cached_tokens == (len(base) - 1) // bs * bs >= len(base) - bs and same.out == first.out
 
 
+def test_prompt_logprobs_as_eval():
+    """A request that asks for its prompt's logprobs (serve.py's echo) scores every prompt token as
+    eval.py does (the window's logits, log-softmax), in chunks beside a decoding request (never riding
+    with it), not from the prefix cache that holds its prompt, and again after a preemption mid-prompt;
+    with max_new_tokens 0 it ends once its prompt is fed, with no output."""
+    import eval as ev
+    model = random_model(device=TEST_DEVICE)
+    prompt = prompts(1, seed=4)[0] + list(range(50))
+    logits = ev.window_logits(Engine(copy.deepcopy(model), 1, 128, prefix_caching=False), prompt, 0)
+    targets = torch.tensor(prompt[1:], device=logits.device).view(-1, 1)
+    expected = torch.log_softmax(logits[:-1].float(), -1).gather(1, targets).view(-1)
+    engine = serving(model, 4, 128, fused_rows=16, prefill_chunk=16)
+    run_all(engine, {0: [Request(list(prompt), 2)]})  # its blocks are cached now
+    decoding, scored = Request(prompts(1, seed=5)[0], 40), Request(list(prompt), 0, prompt_logprobs=2)
+    rode, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (p := schedule(), rode.append(scored in p.requests))[0]
+    engine.submit(decoding)
+    while not decoding.out:
+        engine.step()
+    engine.submit(scored)
+    while scored.fed == 0:
+        engine.step()
+    assert len(scored.prompt_token_logprobs) == scored.fed < len(prompt) - 1
+    engine.scheduler.preempt(scored)  # mid-prompt: it starts again from its first token
+    for _ in range(100):
+        if not engine.step():
+            break
+    assert scored.preemptions == 1 and scored.cached_tokens == 0 and not any(rode)
+    assert scored.finish_reason == "length" and scored.out == [] and decoding.finish_reason
+    got = [lp for lp, _ in scored.prompt_token_logprobs]
+    assert len(got) == len(prompt) - 1 and got == pytest.approx(expected.tolist(), abs=1e-4)
+    assert all(len(top) == 2 and top[0][1] >= lp for lp, top in scored.prompt_token_logprobs)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_shared_beginning_computed_once(compiled):
     """Requests that arrive together with one long beginning (a system prompt) compute it once:

@@ -3,6 +3,7 @@ text as generate.py, continuous batching that changes no request's text, the pre
 strings, n, usage, /v1/models, /metrics, every bad input's error, disconnects, and SIGTERM."""
 import concurrent.futures
 import json
+import math
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 
 from conftest import ROOT, device_flags, needs_devices, run_script
 
@@ -245,6 +247,116 @@ def test_prompt_lists_as_alone(client, smollm2_dir):
     assert refused.value.body["param"] == "prompt" and "prompt 1 has" in refused.value.body["message"]
 
 
+@pytest.fixture(scope="module")
+def loglikelihood(smollm2_dir, device):
+    """eval.py's log-likelihood of token ids (every token after the first given those before it),
+    in float32, as one window."""
+    import eval as ev
+    from loading import load_model
+
+    model = load_model(smollm2_dir, device, torch.float32)
+
+    def score(ids: list) -> float:
+        ppl, scored = ev.perplexity(model, ids, window=len(ids), stride=len(ids))
+        return -math.log(ppl) * scored
+    return score
+
+
+def check_echoed_logprobs(choice, text: str, ids: list, expected: float):
+    """A choice of echo + logprobs with max_tokens 0: the prompt alone, its tokens' logprobs (none for
+    the first), which sum to `expected`, and their offsets in the text."""
+    lp = choice.logprobs
+    assert choice.text == text and choice.finish_reason == "length"
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert sum(lp.token_logprobs[1:]) == pytest.approx(expected, abs=1e-3)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert token in top and top[token] == logprob and max(top.values()) >= logprob
+
+
+def test_echo_logprobs_equal_eval(client, smollm2_dir, loglikelihood):
+    """echo + logprobs + max_tokens 0 scores the prompt (as evaluation harnesses do): the sum of its
+    tokens' logprobs is eval.py's log-likelihood of the text, for a list of prompts in one batch, for
+    a prompt longer than a prefill chunk, and for one whose blocks the prefix cache holds."""
+    from tokenizer import Tokenizer
+
+    long = (ROOT / "data" / "hamlet.txt").read_text(encoding="utf-8")[:1200]  # ~300 tokens: two prefill chunks
+    texts = PROMPTS[:3] + [long]
+    ids = [Tokenizer(smollm2_dir).encode(t) for t in texts]
+    expected = [loglikelihood(i) for i in ids]
+    r = client.completions.create(model="smollm2-135m", prompt=texts, max_tokens=0, echo=True, logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens == 0
+    for choice, text, i, e in zip(r.choices, texts, ids, expected):
+        check_echoed_logprobs(choice, text, i, e)
+    again = client.completions.create(model="smollm2-135m", prompt=ids[3], max_tokens=0, echo=True, logprobs=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # scored afresh, not read from the cache
+    check_echoed_logprobs(again.choices[0], long, ids[3], expected[3])
+
+
+def test_echo_prepends_the_prompt(client, smollm2_dir):
+    """echo returns the prompt's text before the completion's, which is the same as without echo; with
+    logprobs, the completion's tokens follow the prompt's, their offsets past the prompt's text;
+    streamed, the prompt comes first."""
+    from tokenizer import Tokenizer
+
+    plain = client.completions.create(model="smollm2-135m", prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                      logprobs=1)
+    echoed = client.completions.create(model="smollm2-135m", prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == PROMPTS[1] + plain.choices[0].text and echoed.choices[0].logprobs is None
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    scored = client.completions.create(model="smollm2-135m", prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                       echo=True, logprobs=1)
+    lp, out = scored.choices[0].logprobs, plain.choices[0].logprobs
+    assert scored.choices[0].text == echoed.choices[0].text
+    assert lp.tokens[-len(out.tokens):] == out.tokens  # the first one's logits from a scored prompt: not the same bits
+    assert lp.token_logprobs[-len(out.tokens):] == pytest.approx(out.token_logprobs, abs=1e-4)
+    assert lp.text_offset[-len(out.tokens):] == [len(PROMPTS[1]) + o for o in out.text_offset]
+    assert len(lp.tokens) == scored.usage.prompt_tokens + len(out.tokens) and lp.token_logprobs[0] is None
+    pieces = list(client.completions.create(model="smollm2-135m", prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                            echo=True, stream=True))
+    assert pieces[0].choices[0].text == PROMPTS[1]
+    assert "".join(c.choices[0].text for c in pieces) == echoed.choices[0].text
+    bare = client.completions.create(model="smollm2-135m", prompt=PROMPTS[2], max_tokens=0, echo=True)
+    assert bare.choices[0].text == PROMPTS[2] and bare.choices[0].finish_reason == "length"
+    # as lm-evaluation-harness asks: one token after the prompt, its entry last even when it is a stop token
+    eos = Tokenizer(smollm2_dir).eos_ids[0]
+    ended = client.completions.create(model="smollm2-135m", prompt=PROMPTS[2], max_tokens=1, echo=True, logprobs=1,
+                                      temperature=0, logit_bias={str(eos): 100})
+    lp = ended.choices[0].logprobs
+    assert ended.choices[0].text == PROMPTS[2] and ended.choices[0].finish_reason == "stop"
+    assert len(lp.tokens) == ended.usage.prompt_tokens + 1 and lp.text_offset[-1] == len(PROMPTS[2])
+
+
+@pytest.mark.slow
+def test_lm_eval_loglikelihood_equals_eval(server, smollm2_dir, loglikelihood, tmp_path):
+    """lm-evaluation-harness's local-completions model runs the log-likelihood task of tests/lm_eval
+    (offline: the task's data and the tokenizer are local files) through echo + logprobs: each item's
+    log-likelihood, the continuation's tokens given the context's, is eval.py's within 1e-3."""
+    pytest.importorskip("lm_eval", reason="pip install 'lm-eval[api]'")
+    from tokenizer import Tokenizer
+
+    env = {**os.environ, "OPENAI_API_KEY": API_KEY, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    model = (f"base_url={server}/v1/completions,model=smollm2-135m,tokenizer_backend=huggingface,"
+             f"tokenizer={smollm2_dir},max_length=1024")
+    r = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model,
+                        "--tasks", "minillm_echo", "--include_path", "tests/lm_eval", "--log_samples",
+                        "--output_path", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (samples,) = (tmp_path / "out").glob("*/samples_minillm_echo_*.jsonl")
+    items = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(items) == len((ROOT / "tests" / "lm_eval" / "items.jsonl").read_text().splitlines())
+    tokenizer = Tokenizer(smollm2_dir)
+    for item in items:
+        context, continuation = item["doc"]["context"], item["doc"]["continuation"]
+        ids = tokenizer.encode(context + continuation)  # as the harness splits them: the whole text's tokens
+        n = len(tokenizer.encode(context))
+        assert float(item["resps"][0][0][0]) == pytest.approx(loglikelihood(ids) - loglikelihood(ids[:n]), abs=1e-3)
+
+
 def post(url, path, body, key=API_KEY, raw=None):
     data = raw if raw is not None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json",
@@ -264,7 +376,9 @@ def post(url, path, body, key=API_KEY, raw=None):
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "Hi " * 1100}, 400, "prompt"),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 5000}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),  # as vLLM: 0 only with echo
+    ("/v1/completions", {"prompt": "Hi", "echo": "yes"}, 400, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "Hi", "temperature": 5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "Hi", "frobnicate": 1}, 400, "frobnicate"),
