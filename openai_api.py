@@ -374,9 +374,10 @@ class Stream:
     call's text held back and sent whole at its end; under tool_choice "auto", the content and then
     each call once whole), each choice's finish_reason, then usage if asked."""
 
-    def __init__(self, server: Server, choices: list, queue: asyncio.Queue, params: Params, chat: bool, base: dict):
-        self.server, self.choices, self.queue, self.params, self.chat, self.base = \
-            server, choices, queue, params, chat, base
+    def __init__(self, request, server: Server, choices: list, queue: asyncio.Queue, params: Params, chat: bool,
+                 base: dict):
+        self.request, self.server, self.choices, self.queue, self.params, self.chat, self.base = \
+            request, server, choices, queue, params, chat, base
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         self.held = [["", []] for _ in choices]  # text and logprobs not sent yet (a constrained call's: all)
         self.readers = [CallReader(params.call_format, params.functions) if params.call_format else None
@@ -410,7 +411,7 @@ class Stream:
 
     async def events(self):
         params, held = self.params, self.held
-        try:
+        async with cancelled_on_disconnect(self.request, self.server, self.choices):
             for i in range(len(self.choices) if self.chat else 0):  # as OpenAI: the role alone first
                 yield self.chunk(i, "", [], role=True)
             left = len(self.choices)
@@ -447,8 +448,24 @@ class Stream:
                 yield "data: " + json.dumps({**self.base, "object": self.obj, "choices": [],
                                              "usage": usage(params, self.choices)}) + "\n\n"
             yield "data: [DONE]\n\n"
-        finally:  # the client went away (or the response ended): free the slots at the next step
-            cancel_unfinished(self.server, self.choices)
+
+
+@asynccontextmanager
+async def cancelled_on_disconnect(request, server: Server, choices: list):
+    """While the reply is made, a client that goes away (its `http.disconnect`, which the server
+    sends as soon as the connection closes) cancels the choices: their rows are free at the next
+    step, tokens flowing or not. On leaving, whatever is unfinished is cancelled too."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":  # the body is read: nothing else comes
+            pass
+        cancel_unfinished(server, choices)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        cancel_unfinished(server, choices)
 
 
 def cancel_unfinished(server: Server, choices: list):
@@ -481,7 +498,7 @@ class Routes:
         base = {"id": rid, "created": int(time.time()), "model": server.model_name,
                 "system_fingerprint": server.fingerprint}
         if params.stream:
-            return StreamingResponse(Stream(server, choices, queue, params, chat, base).events(),
+            return StreamingResponse(Stream(request, server, choices, queue, params, chat, base).events(),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self.whole(request, choices, queue, params, chat, base)
 
@@ -489,14 +506,9 @@ class Routes:
         """A request's reply, not streamed: every choice once all have finished."""
         texts, reasons = [""] * len(choices), [None] * len(choices)
         entries = [[] for _ in choices]
-        try:
+        async with cancelled_on_disconnect(request, self.server, choices):
             while None in reasons:
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)
-                    continue
+                event = await queue.get()
                 if event[0] == "text":
                     texts[event[1]] += event[2]
                     entries[event[1]] += event[3]
@@ -505,8 +517,6 @@ class Routes:
                     if (failed := failure(reason, error)) is not None:
                         return error_response(failed)
                     reasons[i] = reason
-        finally:
-            cancel_unfinished(self.server, choices)
         out = []
         for i, (text, reason) in enumerate(zip(texts, reasons)):
             logprobs = None if params.logprobs is None else logprobs_body(self.server, entries[i], chat)

@@ -462,6 +462,35 @@ def test_disconnect_ends_the_request(server):
     assert metrics(server)["minillm_requests_running"] == 0
 
 
+def metrics_when(url, ok, timeout: float) -> dict:
+    """/metrics once ok(its figures) holds, or at the timeout."""
+    deadline = time.time() + timeout
+    while not ok(m := metrics(url)) and time.time() < deadline:
+        time.sleep(0.05)
+    return m
+
+
+@pytest.mark.parametrize("path,stream,n", [("/v1/completions", False, 1), ("/v1/chat/completions", False, 2),
+                                           ("/v1/completions", True, 2), ("/v1/chat/completions", True, 1)])
+def test_hang_up_frees_the_rows_at_once(server, path, stream, n):
+    """A client that goes away while its tokens flow, streaming or not, frees its n rows within a
+    few steps, not at max_tokens (counted in tokens: a fast machine generates 900 in a second or two)."""
+    import http.client
+    running, generated = "minillm_requests_running", "minillm_generation_tokens_total"
+    body = {"max_tokens": 900, "ignore_eos": True, "stream": stream, "n": n}
+    body.update({"messages": [{"role": "user", "content": "Count:"}]} if "chat" in path else {"prompt": "Count:"})
+    assert metrics_when(server, lambda m: m[running] == 0, 60)[running] == 0
+    c = http.client.HTTPConnection("127.0.0.1", int(server.rsplit(":", 1)[1]), timeout=60)
+    c.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    start = metrics_when(server, lambda m: m[running] == n, 60)[generated]
+    flowing = metrics_when(server, lambda m: m[generated] >= start + 16 * n, 60)  # past any warm-up pause
+    assert flowing[running] == n
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    after = metrics_when(server, lambda m: m[running] == 0, 10)
+    assert after[running] == 0 and after[generated] - flowing[generated] < 20 * n
+
+
 def test_sigterm_finishes_running_requests(smollm2_dir):
     proc, url = start_server(smollm2_dir, "--max_batch_size", 2, "--max_seq_length", 256, "--no-compile")
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
