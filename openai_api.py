@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API over engine.Engine, for serve.py: a request checked into Params
 (its fields: openai_request.py; messages and tools: chat_tools.py) with its chat or completion prompt
 and its constraint, each choice's text and logprobs as the engine produces them, and the Starlette
-routes (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics). Requests reach the
-engine through Engine.submit; the engine loop (serve.py) posts each choice's events back to the
-request's coroutine with loop.call_soon_threadsafe.
+routes (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and / for chat.html,
+the chat page). Requests reach the engine through Engine.submit; the engine loop (serve.py) posts
+each choice's events back to the request's coroutine with loop.call_soon_threadsafe.
 """
 import asyncio
 import hashlib
@@ -19,7 +19,7 @@ from typing import Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from chat_tools import chat_messages, parse_tools, tool_calls, tool_functions
@@ -34,6 +34,8 @@ from serve_metrics import metrics_registry
 from scheduler import QueueFull, Request
 from tokenizer import StopStrings, StreamDecoder, Tokenizer
 from tool_parsers import CallReader, call_format, read_calls
+
+CHAT_PAGE = Path(__file__).parent / "chat.html"
 
 
 class Server:
@@ -545,6 +547,9 @@ class Routes:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         return PlainTextResponse(generate_latest(self.server.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def page(self, request):
+        return FileResponse(CHAT_PAGE)  # no key needed: the page asks for it and sends it with each request
+
     async def http_error(self, request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
@@ -566,6 +571,7 @@ def build_app(server: Server) -> Starlette:
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),
               Route("/health", api.health, methods=["GET"]),
-              Route("/metrics", api.metrics, methods=["GET"])]
+              Route("/metrics", api.metrics, methods=["GET"]),
+              Route("/", api.page, methods=["GET"])]
     return Starlette(routes=routes, lifespan=api.lifespan,
                      exception_handlers={HTTPException: api.http_error, Exception: api.server_error})
