@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch._dynamo.utils import counters
 
 import kernels
 from blocks import BlockManager
@@ -522,8 +523,8 @@ class Engine:
     def warm_up_mask(self, rows: int, sampling: Sampling):
         """The step that applies a grammar's mask, at two cache lengths of more than one block (so
         that it compiles general in them), every token allowed, on the scratch block."""
-        mask = token_masks([None] * rows, self.model.args.vocab_size).to(self.device)
-        with torch.inference_mode():
+        with torch.inference_mode():  # an inference tensor, as a step's mask is: the graph guards on it
+            mask = token_masks([None] * rows, self.model.args.vocab_size).to(self.device)
             for pos in (2 * self.block_size, 3 * self.block_size):
                 plan = StepPlan(rides=[(0, min(pos, self.max_seq_length - 1), ([], []))] * rows,
                                 wants=list(range(rows)), sampling=sampling, mask=mask)
@@ -591,4 +592,6 @@ def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> di
         # a step reads every dense weight once, whatever the batch size; a mixture's experts, those its rows chose
         "bandwidth_gb_s": param_bytes(model, stats.batch_size) * steps_per_s / 1e9,
         "peak_memory_bytes": peak_memory_bytes(device),
+        # graphs this process compiled instead of finding them in the on-disk cache
+        "compile_cache_misses": counters["inductor"]["fxgraph_cache_miss"],
     }

@@ -1,6 +1,7 @@
 """generate.py: batching, compile, chat cache reuse, sampling, the golden output, the CLI and its errors."""
 import copy
 import json
+import os
 import platform
 import re
 import sys
@@ -244,6 +245,25 @@ def tiny_dir(tmp_path_factory, smollm2_dir):
     # a small random model with SmolLM2's tokenizer, so error cases load fast
     model = random_model(vocab_size=49152, eos_token_ids=[2])
     return save_checkpoint(model, tmp_path_factory.mktemp("tiny") / "ckpt", tokenizer_from=smollm2_dir)
+
+
+@pytest.mark.parametrize("mode", ["logprobs", "json"])
+def test_a_second_identical_run_compiles_nothing(tiny_dir, tmp_path, mode):
+    """The on-disk compile cache holds for every mode: run twice, the second run finds every graph
+    (these modes once compiled for a minute on every identical run). A schema that a random model
+    completes in a few tokens: a sampled boolean beside the forced ones, under the grammar's mask."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}')
+    flags = {"logprobs": ["--logprobs", "3"], "json": ["--json_schema", schema]}[mode]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    misses = []
+    for i in range(2):
+        mj = tmp_path / f"m{i}.json"
+        r = run_script("generate.py", "--checkpoint", tiny_dir, "--prompt", "Hi", "--max_new_tokens", "24",
+                       "--metrics_json", mj, *flags, env=env, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        misses.append(json.loads(mj.read_text())[0]["compile_cache_misses"])
+    assert misses[0] > 0 and misses[1] == 0, misses
 
 
 def broken_copy(src: Path, dst: Path, config=None, weights=None) -> Path:
