@@ -144,9 +144,11 @@ def rebase_refs(schema, root: str):
 def parse_tools(body: dict) -> Optional[tuple]:
     """(the JSON schema of the call, the function's name or None when the output names it) under
     `tool_choice` "required" or a named function; None when the output is free text."""
-    functions, choice = tool_functions(body.get("tools")), body.get("tool_choice")
-    if choice is not None and not functions:  # as OpenAI, "none" too
-        raise APIError(400, "`tool_choice` is only allowed when `tools` are specified", "tool_choice")
+    functions = tool_functions(body.get("tools"))
+    for name in ("tool_choice", "parallel_tool_calls"):  # as OpenAI: tool_choice "none" and False too
+        if body.get(name) is not None and not functions:
+            raise APIError(400, f"`{name}` is only allowed when `tools` are specified", name)
+    choice = body.get("tool_choice")
     if choice is None or choice in ("none", "auto"):  # "auto": calls are read from the free text (tool_parsers.py)
         return None
     if choice == "required":

@@ -385,6 +385,8 @@ def post(url, path, body, key=API_KEY, raw=None):
     ("/v1/completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "parallel_tool_calls": False}, 400,
+     "parallel_tool_calls"),  # as OpenAI: only with tools
     ("/v1/nowhere", {}, 404, None),
 ])
 def test_bad_input(server, path, body, status, param):

@@ -164,14 +164,19 @@ HERMES_TEMPLATE = (
 SAID = 'Let me add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def hermes_client(smollm2_dir, tmp_path_factory):
-    """A server of SmolLM2's weights under a Hermes-style chat template, and its client."""
-    root = tmp_path_factory.mktemp("hermes")
+def hermes_checkpoint(smollm2_dir, root):
+    """SmolLM2's weights under a Hermes-style chat template, in `root`."""
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (root / name).symlink_to(smollm2_dir / name)
     shutil.copy(smollm2_dir / "tokenizer_config.json", root)
     (root / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def hermes_client(smollm2_dir, tmp_path_factory):
+    """A server of SmolLM2's weights under a Hermes-style chat template, and its client."""
+    root = hermes_checkpoint(smollm2_dir, tmp_path_factory.mktemp("hermes"))
     proc, url = start_server(root, "--max_batch_size", 2, "--max_seq_length", 512, "--no-compile",
                              "--model_name", MODEL)
     yield openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
