@@ -208,8 +208,9 @@ class Engine:
 
     @property
     def step_compiled(self) -> bool:
-        """Whether steps run the compiled graphs (not the eager forward while they compile aside)."""
-        return self.rides is not forward_rides
+        """Whether steps run the compiled graphs (from the next step on, once compiled aside), not
+        the eager forward while they compile."""
+        return self.rides is not forward_rides or self.compiled_ready is not None
 
     def compile_aside(self, plans: list) -> threading.Thread:
         """Step eagerly while a thread runs plans (on the scratch block) through a copy of this

@@ -148,6 +148,7 @@ def test_compile_aside_serves_eagerly_then_switches():
     assert thread.is_alive() and not engine.step_compiled
     first = run_all(engine, {0: [Request(p, 12) for p in ps[:3]]})
     thread.join(timeout=900)
+    assert engine.step_compiled  # an idle server says so before its next step
     with torch.compiler.set_stance("fail_on_recompile"):
         rest = run_all(engine, {0: [Request(p, 12) for p in ps[3:]]})
     assert engine.step_compiled
