@@ -34,7 +34,7 @@ class EngineCollector:
         yield GaugeMetricFamily("minillm_kv_cache_usage", "Fraction of the KV cache's blocks held by requests",
                                 value=blocks.used_count() / blocks.num_blocks)
         yield GaugeMetricFamily("minillm_kv_cache_blocks_total", "Blocks in the KV cache", value=blocks.num_blocks)
-        yield GaugeMetricFamily("minillm_step_compiling", "1 while the eager step serves and the compiled one compiles",
+        yield GaugeMetricFamily("minillm_step_compiling", "Whether the eager step serves while the compiled one compiles",
                                 value=int(self.engine.compiled and not self.engine.step_compiled))
         c = self.engine.counters
         for name, key, text in [

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -53,7 +54,8 @@ def free_port() -> int:
 def compiling(url: str) -> bool:
     """Whether a server serves with its eager step while the compiled one compiles (measured after)."""
     try:
-        return "minillm_step_compiling 1" in urllib.request.urlopen(url + "/metrics", timeout=2).read().decode()
+        text = urllib.request.urlopen(url + "/metrics", timeout=2).read().decode()
+        return re.search(r"^minillm_step_compiling 1", text, re.M) is not None
     except OSError:  # llama-server without --metrics
         return False
 
