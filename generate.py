@@ -49,9 +49,14 @@ from tp import MODES as TP_MODES, init_from_env, ranks_on_this_machine
 def print_metrics(metrics: dict):
     log(f"prompt tokens {metrics['prompt_tokens']}, new tokens {metrics['new_tokens']}, "
         f"time to first token {metrics['ttft_s'] * 1000:.1f} ms")
-    log(f"decode {metrics['decode_tokens_per_s']:.2f} tokens/s, inter-token latency median "
-        f"{metrics['inter_token_latency_median_s'] * 1000:.1f} ms, p90 {metrics['inter_token_latency_p90_s'] * 1000:.1f} ms")
-    log(f"memory bandwidth {metrics['bandwidth_gb_s']:.2f} GB/s, peak memory {metrics['peak_memory_bytes'] / 1e9:.2f} GB")
+    peak = f"peak memory {metrics['peak_memory_bytes'] / 1e9:.2f} GB"
+    if metrics["decode_tokens_per_s"] == 0:  # one token, or a grammar forced the rest: no step to time
+        log(f"no decode step to time (the tokens after the first were forced, or there were none); {peak}")
+    else:
+        log(f"decode {metrics['decode_tokens_per_s']:.2f} tokens/s, inter-token latency median "
+            f"{metrics['inter_token_latency_median_s'] * 1000:.1f} ms, "
+            f"p90 {metrics['inter_token_latency_p90_s'] * 1000:.1f} ms")
+        log(f"memory bandwidth {metrics['bandwidth_gb_s']:.2f} GB/s, {peak}")
     if "acceptance_histogram" in metrics:  # speculative decoding
         log(f"speculation ({metrics['proposer']}, k={metrics['speculate_k']}): "
             f"{metrics['tokens_per_target_forward']:.2f} tokens per target forward ({metrics['target_forwards']} "

@@ -263,6 +263,7 @@ def test_a_second_identical_run_compiles_nothing(tiny_dir, tmp_path, mode):
                        "--metrics_json", mj, *flags, env=env, timeout=900)
         assert r.returncode == 0, r.stderr[-2000:]
         misses.append(json.loads(mj.read_text())[0]["compile_cache_misses"])
+        assert "0.00 tokens/s" not in r.stderr  # a run whose tokens were all forced says there was no step
     assert misses[0] > 0 and misses[1] == 0, misses
 
 
