@@ -26,6 +26,16 @@ $(VENV)/.installed: requirements.txt
 
 $(VENV)/.installed-test: $(VENV)/.installed requirements-test.txt
 	$(BIN)/pip install -q --no-cache-dir -r requirements-test.txt
+	# the chat page's test drives Debian's headless Chromium; without root or apt-get it skips
+	command -v chromedriver >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null; }; }; } || \
+	  echo "Chromium not installed: the chat page's browser test will skip"
+	touch $@
+
+# lm-evaluation-harness for the slow test that scores serve.py's echo against eval.py
+$(VENV)/.installed-slow: $(VENV)/.installed-test requirements-slow.txt
+	$(BIN)/pip install -q --no-cache-dir -r requirements-slow.txt
 	touch $@
 
 $(MODEL)/config.json: $(VENV)/.installed
@@ -41,7 +51,7 @@ serve: $(MODEL)/config.json
 test: $(VENV)/.installed-test $(MODEL)/config.json
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test-slow: $(VENV)/.installed-test $(MODEL)/config.json
+test-slow: $(VENV)/.installed-slow $(MODEL)/config.json
 	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(VENV)/.installed-test $(MODEL)/config.json

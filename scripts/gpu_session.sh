@@ -23,7 +23,7 @@
 # What fits in 15 minutes of device time (H200, 2026-11-28, 8 workers): the start ~30 s, tests1:250 ran
 # 317 of its tests, tests2:300 ran 463 of its; a serve stage after them did not finish the warm-up in
 # 200 s. Run the half that matters first, with the tests named (pytest -k) when only some matter.
-# The paged engine's warm-up on an H200: the step's compile 172 s cold, its 22 graph recordings 2 s,
+# The paged engine's warm-up on an H200: the step's compile 172 s cold, its 23 graph recordings 2 s,
 # the chunk graphs' compile more than 125 s even with the step cached (four graphs then; one now):
 # run `warmup` first and give serve stages what is left.
 # `attend` (scripts/cuda_attend.py) takes under a minute.

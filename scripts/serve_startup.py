@@ -6,7 +6,6 @@ taking over, with empty compile caches (a fresh TORCHINDUCTOR_CACHE_DIR).
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -14,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from scripts.bench_serve import ROOT, compiling
 
 
 def get(url: str) -> str:
@@ -49,7 +48,7 @@ def main():
             urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body,
                                                           {"Content-Type": "application/json"}), timeout=900).read()
             first = time.time() - t
-            while re.search(r"^minillm_step_compiling 1", get(url + "/metrics"), re.M):
+            while compiling(url):
                 time.sleep(1)
             compiled = time.time() - start
         finally:

@@ -28,7 +28,7 @@ def server(smollm2_dir):
 def browser():
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if chromium is None or driver is None:
-        pytest.skip("needs Chromium and chromedriver (Debian: apt-get install chromium chromium-driver)")
+        pytest.skip("needs Chromium and chromedriver (make test installs them with apt-get where it runs as root)")
     webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (pip install selenium)")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium

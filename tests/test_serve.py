@@ -334,7 +334,7 @@ def test_lm_eval_loglikelihood_equals_eval(server, smollm2_dir, loglikelihood, t
     """lm-evaluation-harness's local-completions model runs the log-likelihood task of tests/lm_eval
     (offline: the task's data and the tokenizer are local files) through echo + logprobs: each item's
     log-likelihood, the continuation's tokens given the context's, is eval.py's within 1e-3."""
-    pytest.importorskip("lm_eval", reason="pip install 'lm-eval[api]'")
+    pytest.importorskip("lm_eval", reason="make test-slow installs lm-eval (requirements-slow.txt)")
     from tokenizer import Tokenizer
 
     env = {**os.environ, "OPENAI_API_KEY": API_KEY, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
