@@ -13,19 +13,12 @@ from typing import Callable, Optional
 
 import torch
 
-from errors import CheckpointError, ConfigError, one_line
+from errors import CheckpointError, ConfigError, one_line, require_dir
 from model import ModelArgs, Transformer
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
-
-
-def require_dir(checkpoint_dir) -> Path:
-    ckpt = Path(checkpoint_dir)
-    if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint directory {ckpt} does not exist (get one with `python download.py`)")
-    return ckpt
 
 
 def read_config(checkpoint_dir) -> ModelArgs:

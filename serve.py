@@ -41,7 +41,8 @@ import torch
 
 import checkpoint
 import kernels
-from compile import COMPILE_MODES, compiling
+from choices import COMPILE_MODES, TP_MODES
+from compile import compiling
 from engine import BLOCK_SIZE, Engine, log
 from forwards import buckets
 from loading import check_vocabulary, load_model, meta_model, parse_device, parse_dtype, preflight
@@ -54,7 +55,7 @@ from rope import recompute_position, trained_context
 from scheduler import StepPlan
 from thresholds import THRESHOLDS
 from tokenizer import Tokenizer
-from tp import MODES as TP_MODES, init_from_env
+from tp import init_from_env
 
 
 # ---------------------------------------------------------------- start-up
