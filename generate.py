@@ -33,11 +33,11 @@ import proposers
 import speculative
 from checkpoint import write_json
 from engine import ONE_SEQUENCE, Chat, Engine, log
-from loading import check_vocabulary, load_model, meta_model, parse_device, parse_dtype
+from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype
 from errors import UserError, run_cli
 from grammar import Grammars
 from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, tokens_that_fit, weight_bytes
-from model import ModelArgs, param_bytes
+from model import ModelArgs
 from prompt_store import open_store
 from rope import trained_context
 from sampling import Sampling, check_sampling
@@ -329,11 +329,9 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
         model = shapes.random_model(args.shape, device, dtype, args.quantize, needs=needs)
     else:
         model = load(tp, args.checkpoint, device, dtype, needs=needs)
-    size = param_bytes(model, tokens=model.args.n_experts or 1)  # every expert, not the ones a step reads
-    made = f"made {args.shape} with random weights{f' ({args.quantize})' if args.quantize else ''}" \
-        if args.shape else f"loaded {args.checkpoint}"
-    log(f"{made} ({model.args.architecture}, {size / 1e6:.0f} MB of weights "
-        f"in {args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
+    made = f"made {args.shape} with random weights" if args.shape else f"loaded {args.checkpoint}"
+    log(f"{made} ({model.args.architecture}, {describe_weights(model, args.dtype, device, args.checkpoint)}) "
+        f"in {time.perf_counter() - start:.1f} s")
     # every prompt in one chunk (as a request's first forward), each step attending over the whole
     # length: one compiled graph; the rows' tokens sampled inside it where they can be
     engine = Engine(model, rows, max_seq_length, kv_tokens, compile=args.compile, compile_prefill=args.compile_prefill,
@@ -345,9 +343,8 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
         proposer = proposers.NgramProposer(args.ngram)
     elif args.draft_checkpoint:  # under torchrun every rank holds the whole (small) draft
         draft = load(tp, args.draft_checkpoint, device, draft_dtype, shard=False)
-        size = param_bytes(draft, tokens=draft.args.n_experts or 1)
-        log(f"loaded draft {args.draft_checkpoint} ({size / 1e6:.0f} MB of weights "
-            f"in {args.draft_dtype or args.dtype})")
+        log(f"loaded draft {args.draft_checkpoint} "
+            f"({describe_weights(draft, args.draft_dtype or args.dtype, device, args.draft_checkpoint)})")
         proposer = proposers.DraftProposer(draft, compile=args.compile, compile_mode=args.compile_mode)
     else:
         return engine
