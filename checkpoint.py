@@ -13,19 +13,12 @@ from typing import Callable, Optional
 
 import torch
 
-from errors import CheckpointError, ConfigError, one_line
+from errors import CheckpointError, ConfigError, one_line, require_dir
 from model import ModelArgs, Transformer
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
-
-
-def require_dir(checkpoint_dir) -> Path:
-    ckpt = Path(checkpoint_dir)
-    if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint directory {ckpt} does not exist (get one with `python download.py`)")
-    return ckpt
 
 
 def read_config(checkpoint_dir) -> ModelArgs:
@@ -99,6 +92,18 @@ def read_weights(checkpoint_dir, expected: dict, device, dtype: torch.dtype,
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{weights} is unreadable or truncated ({one_line(e)})") from None
     return state
+
+
+def stored_bytes(checkpoint_dir) -> int:
+    """The bytes of model.safetensors' tensors as the file holds them (its header's offsets: no
+    tensor is read)."""
+    weights = Path(checkpoint_dir) / WEIGHTS
+    try:
+        with open(weights, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{weights} is unreadable or truncated ({one_line(e)})") from None
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for n, t in header.items() if n != "__metadata__")
 
 
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

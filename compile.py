@@ -13,11 +13,9 @@ from typing import Callable
 import torch
 
 import kernels
+from choices import COMPILE_MODES
 from errors import UserError
 from model import Transformer
-
-
-COMPILE_MODES = ("default", "regional", "max")
 
 
 def compile_options(device: torch.device, compile_mode: str) -> dict:

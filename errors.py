@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -37,6 +38,15 @@ class ConvertError(UserError):
 
 class TPError(UserError):
     """A tensor-parallel setup that cannot run (world size, sharding, a failed rank)."""
+
+
+def require_dir(checkpoint_dir) -> Path:
+    """The checkpoint directory as a Path, or a CheckpointError if it is none (here, without torch,
+    for a command line to check its flags with)."""
+    ckpt = Path(checkpoint_dir)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt} does not exist (get one with `python download.py`)")
+    return ckpt
 
 
 def one_line(e: BaseException) -> str:

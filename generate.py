@@ -10,10 +10,8 @@
 
 Generated text goes to stdout; logs and metrics go to stderr.
 """
-import argparse
 import contextlib
 import fcntl
-import math
 import os
 import sys
 import time
@@ -21,8 +19,10 @@ from pathlib import Path
 from typing import Callable
 
 import errors
+import generate_args
 
 if __name__ == "__main__":
+    errors.run_cli(generate_args.parse_args)  # a wrong flag fails now, not after torch's seconds of importing
     errors.quiet_ctrl_c()  # Ctrl-C while torch imports exits 130 as it does later
 
 import torch
@@ -32,18 +32,17 @@ import shapes
 import proposers
 import speculative
 from checkpoint import write_json
-from compile import COMPILE_MODES
 from engine import ONE_SEQUENCE, Chat, Engine, log
-from loading import check_vocabulary, load_model, meta_model, parse_device, parse_dtype
+from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype
 from errors import UserError, run_cli
 from grammar import Grammars
 from memory import Need, activation_bytes, dtype_name, kv_cache_bytes, logits_bytes, tokens_that_fit, weight_bytes
-from model import ModelArgs, param_bytes
+from model import ModelArgs
 from prompt_store import open_store
 from rope import trained_context
-from sampling import MAX_LOGPROBS, Sampling, check_sampling
+from sampling import Sampling, check_sampling
 from tokenizer import StopStrings, Tokenizer
-from tp import MODES as TP_MODES, init_from_env, ranks_on_this_machine
+from tp import init_from_env, ranks_on_this_machine
 
 
 def print_metrics(metrics: dict):
@@ -125,158 +124,18 @@ def print_logprobs(tok: Tokenizer, logprobs: list):
             log(f"  {chosen:9.4f}  " + "  ".join(f"{tok.decode([t])!r} {lp:.4f}" for t, lp in top))
 
 
-def add_model_args(p):
-    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint directory")
-    p.add_argument("--shape", choices=shapes.SHAPES, default=None,
-                   help="instead of --checkpoint, a model of this shape with random weights made on the device "
-                        "(shapes.py): for speed; its prompt is --prompt_length token ids and it prints token ids")
-    p.add_argument("--quantize", default=None, metavar="int8|int4-gN",
-                   help="with --shape: quantize its weights in memory (int8, int4-g32, int4-g64, ...)")
-    p.add_argument("--prompt_length", type=int, default=16, help="with --shape: prompt tokens (default: 16)")
-    p.add_argument("--num_samples", type=int, default=1, help="generate this many times")
-    p.add_argument("--batch_size", type=int, default=1, help="copies of a single prompt to decode together")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile the decode step with torch.compile (default: on)")
-    p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic shapes)")
-    p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
-                   help="regional: compile one layer and reuse it for every layer alike (a fraction of the "
-                        "compile time; a slower step on small models); max: on CPU, freeze "
-                        "the weights and let inductor generate its own GEMM kernels "
-                        "(fastest decode, especially in bfloat16, but every run compiles for minutes); "
-                        "on CUDA, max-autotune")
-    p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
-                   help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
-                        "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
-                        "fewer collectives, but a quantized model's text may drift from one process's; "
-                        "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16",
-                   help="float32, bfloat16 or float16")
-    p.add_argument("--max_seq_length", type=int, default=None,
-                   help="KV cache length (default: what the prompt and max_new_tokens need; 4096 when interactive; "
-                        "at most the model's trained context)")
-    p.add_argument("--extend_context", action="store_true",
-                   help="allow a KV cache past the model's trained context (max_position_embeddings, or what its "
-                        "RoPE scaling extends it to), with a warning: the output usually degrades there")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", default=None, help="system message for --chat / --interactive")
-    p.add_argument("--interactive", action="store_true",
-                   help="multi-turn chat on stdin; the KV cache is kept across turns")
-    p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens (benchmarks)")
-
-
-def add_sampling_args(p):
-    p.add_argument("--prompt", action="append",
-                   help='prompt text; repeat to generate for several prompts in one batch (default: "Hello, my '
-                        'name is"; with --interactive, each turn is read from standard input)')
-    p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=None)
-    p.add_argument("--top_p", type=float, default=1.0)
-    p.add_argument("--min_p", type=float, default=0.0, help="drop tokens less likely than this x the most likely")
-    p.add_argument("--repetition_penalty", type=float, default=1.0,
-                   help="divide a positive logit (multiply a negative one) of every token already in the prompt "
-                        "or output by this (1: off)")
-    p.add_argument("--presence_penalty", type=float, default=0.0,
-                   help="subtract this from the logit of a token already in the output (OpenAI's; -2..2)")
-    p.add_argument("--frequency_penalty", type=float, default=0.0,
-                   help="subtract this times its count in the output from a token's logit (OpenAI's; -2..2)")
-    p.add_argument("--logit_bias", action="append", default=[], metavar="ID=BIAS",
-                   help="add BIAS (-100..100) to token ID's logit; repeat for several tokens")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end the output where this text appears (not printed); repeat for several")
-    p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help=f"print each token's log-probability and the N (0-{MAX_LOGPROBS}) most likely ones to stderr")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    constrain = p.add_mutually_exclusive_group()
-    constrain.add_argument("--json", action="store_true", help="the output is a JSON object")
-    constrain.add_argument("--json_schema", type=Path, default=None, metavar="FILE",
-                           help="the output is JSON that matches the JSON schema in FILE")
-    constrain.add_argument("--regex", default=None, metavar="PATTERN", help="the output matches this regex")
-    constrain.add_argument("--grammar", type=Path, default=None, metavar="FILE",
-                           help="the output matches the grammar in FILE (llguidance's Lark syntax)")
-    p.add_argument("--jump_forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="feed the tokens a grammar forces as one chunk, not one decode step each (default: on)")
-
-
-def add_speculation_args(p):
-    p.add_argument("--draft_checkpoint", type=Path, default=None,
-                   help="speculative decoding (speculative.py): this smaller or quantized model, with the "
-                        "same tokenizer, proposes --speculate_k tokens that the target checks in one forward")
-    p.add_argument("--draft_dtype", default=None,
-                   help="the draft's weights and activations (default: --dtype). A bfloat16 draft for a float32 "
-                        "target reads half the bytes per draft step; the output is still exactly the target's")
-    p.add_argument("--ngram", type=int, default=None, metavar="N",
-                   help="speculative decoding by prompt lookup: propose what followed the most recent earlier "
-                        "occurrence of the last N tokens (then N-1, ..., 1) in the prompt and output")
-    p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per round, at most (default: 5)")
-    p.add_argument("--adaptive_k", action=argparse.BooleanOptionalAction, default=True,
-                   help="adapt the tokens proposed per round to recent acceptance: twice as many after a "
-                        "block accepted whole (up to --speculate_k), fewer after a rejection (default: on; "
-                        "--no-adaptive_k always proposes --speculate_k)")
-    p.add_argument("--compare_plain", action="store_true",
-                   help="with speculation: also decode without it and print both speeds (and, greedy, "
-                        "whether the outputs are identical)")
-
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Generate text with a checkpoint made by convert_hf_checkpoint.py or download.py.",
-        epilog="Compilation (--compile) is on by default: the compiled decode step is several times "
-               "faster, and its first run compiles (about a minute on CPU, cached on disk afterwards). "
-               "Pass --no-compile for a quick single run.")
-    add_model_args(p)
-    add_sampling_args(p)
-    add_speculation_args(p)
-    p.add_argument("--prompt_cache", type=Path, default=None, metavar="DIR",
-                   help="keep the prompts' KV cache blocks on disk here too: a later run that meets the same "
-                        "prompt beginning loads them instead of computing them")
-    p.add_argument("--prompt_cache_gb", type=float, default=4.0, help="the --prompt_cache folder's size at most")
-    p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler trace of the last sample here")
-    p.add_argument("--metrics_json", type=Path, default=None, help="write the metrics as a JSON list here")
-    return p
-
-
-def check_args(args):
-    if (args.checkpoint is None) == (args.shape is None):
-        raise UserError("give either --checkpoint or --shape")
-    if args.shape:
-        text_only = [flag for flag, on in (("--prompt", args.prompt), ("--chat", args.chat),
-                                          ("--interactive", args.interactive), ("--stop", args.stop),
-                                          ("--draft_checkpoint", args.draft_checkpoint), ("--ngram", args.ngram),
-                                          ("--json", args.json or args.json_schema or args.regex or args.grammar))
-                     if on]
-        if text_only:
-            raise UserError(f"{text_only[0]} needs a --checkpoint with a tokenizer, not a --shape")
-        shapes.parse_quantization(args.quantize) if args.quantize else None
-        if args.prompt_length < 1:
-            raise UserError("--prompt_length must be at least 1")
-    elif args.quantize:
-        raise UserError("--quantize goes with --shape; for a checkpoint run quantize.py once and load its output")
-    for name in ("max_new_tokens", "num_samples", "batch_size"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name} must be at least 1")
-    if not 0 <= args.temperature < math.inf:
-        raise UserError("--temperature must be a finite number >= 0")
-    if args.seed is not None and not 0 <= args.seed < 2 ** 63:  # tp.py sends it as an int64
-        raise UserError("--seed must be in [0, 2**63)")
-    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
-        raise UserError(f"--logprobs must be in [0, {MAX_LOGPROBS}]")
-    if args.max_seq_length is not None and args.max_seq_length < 2:
-        raise UserError("--max_seq_length must be at least 2")
-    if args.prompt and len(args.prompt) > 1 and args.batch_size > 1:
-        raise UserError("give either several --prompt or --batch_size, not both")
-    if args.draft_checkpoint and args.ngram is not None:
-        raise UserError("give either --draft_checkpoint or --ngram, not both")
-    if args.ngram is not None and args.ngram < 1:
-        raise UserError("--ngram must be at least 1")
-    if args.speculate_k < 1:
-        raise UserError("--speculate_k must be at least 1")
-    if args.draft_dtype and not args.draft_checkpoint:
-        raise UserError("--draft_dtype needs --draft_checkpoint")
+def parse_args(argv=None):
+    """generate_args' flags, checked, and what they need torch for: the defaults that depend on
+    CUDA, the --quantize label, a speculative run's single sequence."""
+    args = generate_args.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.quantize:
+        shapes.parse_quantization(args.quantize)
     if (args.draft_checkpoint or args.ngram) and (args.batch_size > 1 or (args.prompt and len(args.prompt) > 1)):
         raise UserError(ONE_SEQUENCE)
+    return args
 
 
 def parse_sampling(args) -> Sampling:
@@ -470,11 +329,9 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
         model = shapes.random_model(args.shape, device, dtype, args.quantize, needs=needs)
     else:
         model = load(tp, args.checkpoint, device, dtype, needs=needs)
-    size = param_bytes(model, tokens=model.args.n_experts or 1)  # every expert, not the ones a step reads
-    made = f"made {args.shape} with random weights{f' ({args.quantize})' if args.quantize else ''}" \
-        if args.shape else f"loaded {args.checkpoint}"
-    log(f"{made} ({model.args.architecture}, {size / 1e6:.0f} MB of weights "
-        f"in {args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
+    made = f"made {args.shape} with random weights" if args.shape else f"loaded {args.checkpoint}"
+    log(f"{made} ({model.args.architecture}, {describe_weights(model, args.dtype, device, args.checkpoint)}) "
+        f"in {time.perf_counter() - start:.1f} s")
     # every prompt in one chunk (as a request's first forward), each step attending over the whole
     # length: one compiled graph; the rows' tokens sampled inside it where they can be
     engine = Engine(model, rows, max_seq_length, kv_tokens, compile=args.compile, compile_prefill=args.compile_prefill,
@@ -486,9 +343,8 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
         proposer = proposers.NgramProposer(args.ngram)
     elif args.draft_checkpoint:  # under torchrun every rank holds the whole (small) draft
         draft = load(tp, args.draft_checkpoint, device, draft_dtype, shard=False)
-        size = param_bytes(draft, tokens=draft.args.n_experts or 1)
-        log(f"loaded draft {args.draft_checkpoint} ({size / 1e6:.0f} MB of weights "
-            f"in {args.draft_dtype or args.dtype})")
+        log(f"loaded draft {args.draft_checkpoint} "
+            f"({describe_weights(draft, args.draft_dtype or args.dtype, device, args.draft_checkpoint)})")
         proposer = proposers.DraftProposer(draft, compile=args.compile, compile_mode=args.compile_mode)
     else:
         return engine
@@ -497,8 +353,7 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    check_args(args)
+    args = parse_args(argv)
     tp, args.device = init_from_env(args.device, args.tp_mode)  # under torchrun: this rank's shard and device (tp.py)
     if tp is not None and args.interactive:
         raise UserError("--interactive is not supported with tensor parallelism (torchrun)")

@@ -97,6 +97,30 @@ def check_vocabulary(tok, args, where) -> None:
                         f"model's vocabulary of {args.vocab_size}): tokenizer files of another model?")
 
 
+def describe_weights(model: Transformer, dtype: str, device, checkpoint_dir=None) -> str:
+    """What a status line says of a loaded model's weights: the bytes it holds (every expert, an
+    untied embedding too: not param_bytes, what a step reads) in `dtype`; for a quantized model its
+    scheme, and the size as the checkpoint stores it beside the size on the device (which the
+    device's packing changes)."""
+    tensors = dict(model.named_parameters())  # a tied head appears once
+    tensors.update((n, b) for n, b in model.named_buffers() if "cache" not in n)
+    size = sum(t.nbytes for n, t in tensors.items() if not n.startswith(("rotary.", "local_rotary.")))
+    q = model.args.quantization
+    if not q:
+        return f"{size / 1e6:.0f} MB of weights in {dtype} on {device}"
+    base = q["mode"].split("-")[0]  # int4-gptq: int4 weights calibrated with GPTQ
+    label = base + (f"-g{q['groupsize']}" if "groupsize" in q else "") + (" (GPTQ)" if "gptq" in q["mode"] else "")
+    others = {}  # format -> the parts stored in it, where not the blocks' format
+    for part, key in (("embedding", "embedding"), ("head", "output")):
+        if q.get(key, base) != base:
+            others.setdefault(q[key], []).append(part)
+    label += "".join(f" with the {' and '.join(parts)} {fmt}" for fmt, parts in others.items())
+    if checkpoint_dir is None:
+        return f"{size / 1e6:.0f} MB of weights: {label}, the rest in {dtype}, on {device}"
+    stored = checkpoint.stored_bytes(checkpoint_dir)
+    return f"{stored / 1e6:.0f} MB of weights as stored: {label}, the rest in {dtype}; {size / 1e6:.0f} MB on {device}"
+
+
 def parse_device(name: str) -> torch.device:
     try:
         device = torch.device(name)

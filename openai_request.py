@@ -4,8 +4,9 @@ need no model, the error the client gets (APIError) and what a checked request h
 from dataclasses import dataclass, field
 from typing import Optional
 
+from choices import MAX_LOGPROBS
 from errors import UserError
-from sampling import MAX_LOGPROBS, Sampling, check_sampling
+from sampling import Sampling, check_sampling
 from tool_parsers import CallFormat
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows

@@ -17,8 +17,6 @@ from torch import Tensor
 from errors import UserError
 from grammar import allow_tokens
 
-MAX_LOGPROBS = 20  # top_logprobs per token, at most (as OpenAI)
-
 
 @dataclass(frozen=True)
 class Sampling:

@@ -41,20 +41,20 @@ import torch
 
 import checkpoint
 import kernels
-from compile import COMPILE_MODES, compiling
+from choices import COMPILE_MODES, TP_MODES
+from compile import compiling
 from engine import BLOCK_SIZE, Engine, log
 from forwards import buckets
-from loading import check_vocabulary, load_model, meta_model, parse_device, parse_dtype, preflight
+from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype, preflight
 from errors import UserError, run_cli
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
-from model import param_bytes
 from openai_api import Server, build_app
 from prompt_store import open_store
 from rope import recompute_position, trained_context
 from scheduler import StepPlan
 from thresholds import THRESHOLDS
 from tokenizer import Tokenizer
-from tp import MODES as TP_MODES, init_from_env
+from tp import init_from_env
 
 
 # ---------------------------------------------------------------- start-up
@@ -235,9 +235,8 @@ def load_engine(args, tp) -> tuple[Tokenizer, Engine]:
     start = time.perf_counter()
     model = (tp.all_ranks_ok(load_model, args.checkpoint, device, dtype, tp=tp, needs=needs) if tp is not None
              else load_model(args.checkpoint, device, dtype))
-    size = param_bytes(model, tokens=model.args.n_experts or 1)  # every expert, not the ones a step reads
-    log(f"loaded {args.checkpoint} ({model.args.architecture}, {size / 1e6:.0f} MB of weights in "
-        f"{args.dtype} on {device}) in {time.perf_counter() - start:.1f} s")
+    weights = describe_weights(model, args.dtype, device, args.checkpoint)
+    log(f"loaded {args.checkpoint} ({model.args.architecture}, {weights}) in {time.perf_counter() - start:.1f} s")
     engine = Engine.for_serving(model, args.max_batch_size, args.max_seq_length, kv_tokens=kv_tokens(args),
                                 compile=args.compile, compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk,
                                 max_waiting=args.max_waiting, prefix_caching=args.prefix_reuse, prepack=args.prepack)

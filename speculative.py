@@ -319,8 +319,8 @@ class SpeculativeEngine:
         def emit(new: list, entries=(), timed: bool = True):
             out.extend(new)
             row.token_logprobs.extend(lp for lp in entries if lp is not None)
-            if timed:  # a block of tokens arrives at once; the first round counts once, as in Engine
-                stats.token_times.extend([time.perf_counter()] * (len(new) if stats.token_times else 1))
+            if timed:
+                stamp(stats.token_times, len(new), time.perf_counter())
             row.finish_reason = row.end_reason()
             for i, token in enumerate(new if on_tokens else ()):
                 if on_tokens([token]):  # a stop string: what followed was never said
@@ -441,6 +441,17 @@ class SpeculativeEngine:
                 read += param_bytes(self.proposer.model) * stats.draft_forwards
             metrics["bandwidth_gb_s"] = read / stats.decode_s / 1e9
         return metrics
+
+
+def stamp(times: list, n: int, now: float):
+    """The arrival times of n tokens that a round hands out together at `now`: spread evenly since
+    the previous tokens, so that a gap is what a token cost (at one timestamp, the median gap was
+    0 ms); the first round counts once, as in Engine."""
+    if not times:
+        times.append(now)
+    else:
+        last = times[-1]
+        times.extend(last + (now - last) * (i + 1) / n for i in range(n))
 
 
 # ---------------------------------------------------------------- checks

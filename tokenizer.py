@@ -208,6 +208,7 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 tools=tools,
+                xml_tools=tools,  # SmolLM3's template reads its tools from `xml_tools`, not `tools`
                 documents=None,
             )
         except Exception as e:  # the template is the checkpoint's code: any error in it is the checkpoint's

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from choices import TP_MODES as MODES
 from errors import TPError, UserError
 
 
@@ -139,9 +140,6 @@ class Shard:
     rowwise: bool  # False: output features split (dim 0); True: input features split (dim 1)
     ranges: list  # [(start, stop), ...] of the split features, concatenated in this order
     features: int  # the layer's full number of output (column-wise) or input (row-wise) features
-
-
-MODES = ("auto", "exact", "allreduce")
 
 
 class TensorParallel:

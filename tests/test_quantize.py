@@ -316,6 +316,25 @@ def test_quantized_checkpoint_loads_and_decodes_like_eager(mode, tiny_checkpoint
     assert a == b  # the compiled packed kernels decode the same tokens as eager dequantize + matmul
 
 
+def test_load_line_gives_a_quantized_checkpoints_size_as_stored_and_its_scheme(tiny_checkpoint, tmp_path):
+    """generate.py's and serve.py's "loaded ..." line: a quantized checkpoint's bytes as its file holds
+    them and its scheme, not its size as if it were float32; every weight held counted, the untied
+    embedding too."""
+    from safetensors import safe_open
+
+    from loading import describe_weights, load_model
+    out = tmp_path / "int4"
+    assert quantize_cli(tiny_checkpoint, "--mode", "int4", "--groupsize", "32", "--out", out).returncode == 0
+    with safe_open(out / "model.safetensors", "pt") as f:
+        stored = sum(f.get_tensor(name).nbytes for name in f.keys())
+    line = describe_weights(load_model(out), "float32", "cpu", out)
+    assert line.startswith(f"{stored / 1e6:.0f} MB of weights as stored: int4-g32 with the head int8, "), line
+    float_model = load_model(tiny_checkpoint)
+    held = sum(t.nbytes for name, t in float_model.state_dict().items() if not name.startswith("rotary."))
+    assert describe_weights(float_model, "float32", "cpu", tiny_checkpoint) == \
+        f"{held / 1e6:.0f} MB of weights in float32 on cpu"
+
+
 def test_scheme_table_drives_loading():
     """Each --mode's layers come from SCHEMES; the layers tell the loader which float tensors keep
     their dtype and tp.py how to split their inputs; the linear layers are tp.PLAN's."""

@@ -56,7 +56,7 @@ def test_generate_shape_prints_token_ids():
     assert lines[0] == "--- row 1 of 2 ---" and lines[2] == "--- row 2 of 2 ---"  # each row labelled
     rows = lines[1::2]
     assert [len(row.split()) for row in rows[:2]] == [6, 6] and all(t.isdigit() for t in rows[0].split())
-    assert "made tiny with random weights (int8)" in r.stderr
+    assert "made tiny with random weights (llama, " in r.stderr and " MB of weights: int8, " in r.stderr
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -140,6 +140,18 @@ def test_greedy_stops_at_eos_inside_an_accepted_block_and_at_max_new_tokens(targ
             assert out == free[:n]
 
 
+def test_inter_token_latency_of_accepted_blocks_is_not_zero(target):
+    """A verify hands out a block of tokens at once: each is timed at its share of the round, so the
+    metrics' inter-token latency is what a token cost, not the 0 ms between tokens of one block."""
+    spec = spec_engine(target, 8, draft=random_model(seed=0, device=TEST_DEVICE), adaptive=False)
+    (out,), stats = spec.generate([PROMPTS[1]], 25, Sampling())
+    assert len(out) == 25 and stats.target_forwards == 3  # draft == target: every block of 8 accepted
+    assert all(b > a for a, b in zip(stats.token_times, stats.token_times[1:])), stats.token_times
+    m = spec.metrics(stats)
+    assert m["inter_token_latency_median_s"] > 0 and m["inter_token_latency_p90_s"] > 0, m
+    assert m["inter_token_latency_median_s"] <= stats.decode_s, m
+
+
 def test_ngram_proposer_lookup():
     p = NgramProposer(3)
     ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]

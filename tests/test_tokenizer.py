@@ -123,6 +123,18 @@ def test_bpe_chat_template_matches_transformers(smollm2_tokenizer, smollm2_hf):
     assert ours.endswith("<|im_start|>user\nAnd 3+3?<|im_end|>\n")
 
 
+def test_tools_reach_a_template_that_reads_xml_tools(smollm2_dir):
+    """SmolLM3's template lists the functions of `xml_tools`, as transformers users pass them."""
+    tok = Tokenizer(smollm2_dir)
+    tok.chat_template = ("{%- if xml_tools %}<tools>{% for t in xml_tools %}{{ t.function.name }} {% endfor %}"
+                         "</tools>{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+             for name in ("get_weather", "add")]
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools) == \
+        "<tools>get_weather add </tools>hi"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+
+
 def _byte_level_alphabet():
     # GPT-2's byte -> printable character map: printable bytes map to themselves, the rest to 256+
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]

@@ -313,6 +313,26 @@ def test_numeric_flags_out_of_range_are_one_line_errors(tiny):
         assert_one_line_error(name, status, stderr, cases[name][1])
 
 
+WITHOUT_TORCH = "import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.argv[1:]; " \
+                "runpy.run_path(sys.argv[0], run_name='__main__')"  # `import torch` raises ImportError
+
+
+@pytest.mark.parametrize("case", ["unknown_flag", "missing_checkpoint", "flag_out_of_range"])
+def test_generate_flag_errors_come_before_torch_is_imported(smollm2_dir, tmp_path, case):
+    """generate.py with torch made unimportable: a wrong flag still gets its usual message and exit status."""
+    args, status, expected = {
+        "unknown_flag": (["--checkpoint", smollm2_dir, "--bogus"], 2, "unrecognized arguments: --bogus"),
+        "missing_checkpoint": (["--checkpoint", tmp_path / "none"], 1, "error: checkpoint directory"),
+        "flag_out_of_range": (["--checkpoint", smollm2_dir, "--max_new_tokens", "0"], 1,
+                              "error: --max_new_tokens must be at least 1"),
+    }[case]
+    r = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "generate.py", *map(str, args)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == status and expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    if status == 1:
+        assert_one_line_error(case, r.returncode, r.stderr, expected)
+
+
 def test_extend_context_warns_and_runs(tiny):
     status, stderr = run_side_by_side({"extend": [
         "generate.py", "--checkpoint", tiny, "--no-compile", "--max_new_tokens", "2", "--max_seq_length", "8448",
@@ -351,6 +371,7 @@ def test_special_token_past_the_embedding_is_allowed_but_not_in_a_prompt(smollm2
     """Gemma 3's tokenizer has an image token one past its text model's embedding: the tokenizer
     loads, and only a prompt that holds the token is refused."""
     import generate
+    import generate_args
 
     (tmp_path / "tok").mkdir()
     spec = json.loads((smollm2_dir / "tokenizer.json").read_text())
@@ -364,7 +385,7 @@ def test_special_token_past_the_embedding_is_allowed_but_not_in_a_prompt(smollm2
     check_vocabulary(tok, config, "tok")
     with pytest.raises(UserError, match="past the model's vocabulary of 49000"):
         check_vocabulary(tok, replace(config, vocab_size=49000), "tok")
-    args = generate.build_parser().parse_args(["--checkpoint", str(tmp_path / "tok"), "--prompt", "an <image_soft_token>"])
+    args = generate_args.parse_args(["--checkpoint", str(tmp_path / "tok"), "--prompt", "an <image_soft_token>"])
     with pytest.raises(UserError, match="past the model's vocabulary of 49152"):
         generate.encode_prompts(tok, args, config)
     args.prompt = ["a cat"]

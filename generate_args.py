@@ -1,0 +1,169 @@
+"""generate.py's flags and the checks they need no torch for: generate.py parses its command line
+with this module before it imports torch, so that a wrong flag fails at once rather than after
+the seconds torch takes to import. Imports nothing that imports torch."""
+import argparse
+import math
+from pathlib import Path
+
+from choices import COMPILE_MODES, MAX_LOGPROBS, SHAPES, TP_MODES
+from errors import UserError, require_dir
+
+
+def add_model_args(p):
+    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint directory")
+    p.add_argument("--shape", choices=SHAPES, default=None,
+                   help="instead of --checkpoint, a model of this shape with random weights made on the device "
+                        "(shapes.py): for speed; its prompt is --prompt_length token ids and it prints token ids")
+    p.add_argument("--quantize", default=None, metavar="int8|int4-gN",
+                   help="with --shape: quantize its weights in memory (int8, int4-g32, int4-g64, ...)")
+    p.add_argument("--prompt_length", type=int, default=16, help="with --shape: prompt tokens (default: 16)")
+    p.add_argument("--num_samples", type=int, default=1, help="generate this many times")
+    p.add_argument("--batch_size", type=int, default=1, help="copies of a single prompt to decode together")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the decode step with torch.compile (default: on)")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic shapes)")
+    p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
+                   help="regional: compile one layer and reuse it for every layer alike (a fraction of the "
+                        "compile time; a slower step on small models); max: on CPU, freeze "
+                        "the weights and let inductor generate its own GEMM kernels "
+                        "(fastest decode, especially in bfloat16, but every run compiles for minutes); "
+                        "on CUDA, max-autotune")
+    p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
+                   help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
+                        "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
+                        "fewer collectives, but a quantized model's text may drift from one process's; "
+                        "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda where there is one, else cpu)")
+    p.add_argument("--dtype", default=None,
+                   help="float32, bfloat16 or float16 (default: bfloat16 where there is CUDA, else float32)")
+    p.add_argument("--max_seq_length", type=int, default=None,
+                   help="KV cache length (default: what the prompt and max_new_tokens need; 4096 when interactive; "
+                        "at most the model's trained context)")
+    p.add_argument("--extend_context", action="store_true",
+                   help="allow a KV cache past the model's trained context (max_position_embeddings, or what its "
+                        "RoPE scaling extends it to), with a warning: the output usually degrades there")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat / --interactive")
+    p.add_argument("--interactive", action="store_true",
+                   help="multi-turn chat on stdin; the KV cache is kept across turns")
+    p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens (benchmarks)")
+
+
+def add_sampling_args(p):
+    p.add_argument("--prompt", action="append",
+                   help='prompt text; repeat to generate for several prompts in one batch (default: "Hello, my '
+                        'name is"; with --interactive, each turn is read from standard input)')
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=None)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--min_p", type=float, default=0.0, help="drop tokens less likely than this x the most likely")
+    p.add_argument("--repetition_penalty", type=float, default=1.0,
+                   help="divide a positive logit (multiply a negative one) of every token already in the prompt "
+                        "or output by this (1: off)")
+    p.add_argument("--presence_penalty", type=float, default=0.0,
+                   help="subtract this from the logit of a token already in the output (OpenAI's; -2..2)")
+    p.add_argument("--frequency_penalty", type=float, default=0.0,
+                   help="subtract this times its count in the output from a token's logit (OpenAI's; -2..2)")
+    p.add_argument("--logit_bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit; repeat for several tokens")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the output where this text appears (not printed); repeat for several")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help=f"print each token's log-probability and the N (0-{MAX_LOGPROBS}) most likely ones to stderr")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    constrain = p.add_mutually_exclusive_group()
+    constrain.add_argument("--json", action="store_true", help="the output is a JSON object")
+    constrain.add_argument("--json_schema", type=Path, default=None, metavar="FILE",
+                           help="the output is JSON that matches the JSON schema in FILE")
+    constrain.add_argument("--regex", default=None, metavar="PATTERN", help="the output matches this regex")
+    constrain.add_argument("--grammar", type=Path, default=None, metavar="FILE",
+                           help="the output matches the grammar in FILE (llguidance's Lark syntax)")
+    p.add_argument("--jump_forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="feed the tokens a grammar forces as one chunk, not one decode step each (default: on)")
+
+
+def add_speculation_args(p):
+    p.add_argument("--draft_checkpoint", type=Path, default=None,
+                   help="speculative decoding (speculative.py): this smaller or quantized model, with the "
+                        "same tokenizer, proposes --speculate_k tokens that the target checks in one forward")
+    p.add_argument("--draft_dtype", default=None,
+                   help="the draft's weights and activations (default: --dtype). A bfloat16 draft for a float32 "
+                        "target reads half the bytes per draft step; the output is still exactly the target's")
+    p.add_argument("--ngram", type=int, default=None, metavar="N",
+                   help="speculative decoding by prompt lookup: propose what followed the most recent earlier "
+                        "occurrence of the last N tokens (then N-1, ..., 1) in the prompt and output")
+    p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per round, at most (default: 5)")
+    p.add_argument("--adaptive_k", action=argparse.BooleanOptionalAction, default=True,
+                   help="adapt the tokens proposed per round to recent acceptance: twice as many after a "
+                        "block accepted whole (up to --speculate_k), fewer after a rejection (default: on; "
+                        "--no-adaptive_k always proposes --speculate_k)")
+    p.add_argument("--compare_plain", action="store_true",
+                   help="with speculation: also decode without it and print both speeds (and, greedy, "
+                        "whether the outputs are identical)")
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Generate text with a checkpoint made by convert_hf_checkpoint.py or download.py.",
+        epilog="Compilation (--compile) is on by default: the compiled decode step is several times "
+               "faster, and its first run compiles (about a minute on CPU, cached on disk afterwards). "
+               "Pass --no-compile for a quick single run.")
+    add_model_args(p)
+    add_sampling_args(p)
+    add_speculation_args(p)
+    p.add_argument("--prompt_cache", type=Path, default=None, metavar="DIR",
+                   help="keep the prompts' KV cache blocks on disk here too: a later run that meets the same "
+                        "prompt beginning loads them instead of computing them")
+    p.add_argument("--prompt_cache_gb", type=float, default=4.0, help="the --prompt_cache folder's size at most")
+    p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler trace of the last sample here")
+    p.add_argument("--metrics_json", type=Path, default=None, help="write the metrics as a JSON list here")
+    return p
+
+
+def check_args(args):
+    """The checks that need neither torch nor the checkpoint's contents (generate.parse_args adds the rest)."""
+    if (args.checkpoint is None) == (args.shape is None):
+        raise UserError("give either --checkpoint or --shape")
+    if args.shape:
+        text_only = [flag for flag, on in (("--prompt", args.prompt), ("--chat", args.chat),
+                                          ("--interactive", args.interactive), ("--stop", args.stop),
+                                          ("--draft_checkpoint", args.draft_checkpoint), ("--ngram", args.ngram),
+                                          ("--json", args.json or args.json_schema or args.regex or args.grammar))
+                     if on]
+        if text_only:
+            raise UserError(f"{text_only[0]} needs a --checkpoint with a tokenizer, not a --shape")
+        if args.prompt_length < 1:
+            raise UserError("--prompt_length must be at least 1")
+    elif args.quantize:
+        raise UserError("--quantize goes with --shape; for a checkpoint run quantize.py once and load its output")
+    for name in ("max_new_tokens", "num_samples", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1")
+    if not 0 <= args.temperature < math.inf:
+        raise UserError("--temperature must be a finite number >= 0")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:  # tp.py sends it as an int64
+        raise UserError("--seed must be in [0, 2**63)")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        raise UserError(f"--logprobs must be in [0, {MAX_LOGPROBS}]")
+    if args.max_seq_length is not None and args.max_seq_length < 2:
+        raise UserError("--max_seq_length must be at least 2")
+    if args.prompt and len(args.prompt) > 1 and args.batch_size > 1:
+        raise UserError("give either several --prompt or --batch_size, not both")
+    if args.draft_checkpoint and args.ngram is not None:
+        raise UserError("give either --draft_checkpoint or --ngram, not both")
+    if args.ngram is not None and args.ngram < 1:
+        raise UserError("--ngram must be at least 1")
+    if args.speculate_k < 1:
+        raise UserError("--speculate_k must be at least 1")
+    if args.draft_dtype and not args.draft_checkpoint:
+        raise UserError("--draft_dtype needs --draft_checkpoint")
+    if args.checkpoint is not None:
+        require_dir(args.checkpoint)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    return args
