@@ -12,9 +12,7 @@ decoding request, and prompt tokens riding along) go through one compiled forwar
 comes with no request decoding goes in chunks of its own.
 """
 import collections
-import copy
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,10 +23,11 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 
 import kernels
+import warmup
 from blocks import BlockManager
 from checkpoint import huge_page_zeros
-from compile import compile_step, compiling, guards_skipped, tag_compile_cache
-from errors import UserError
+from compile import compile_step, guards_skipped, tag_compile_cache
+from errors import UserError, log
 from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides
 from grammar import token_masks
 from memory import Need, check_memory, kv_cache_bytes, peak_memory_bytes
@@ -40,10 +39,6 @@ from thresholds import THRESHOLDS
 
 BLOCK_SIZE = 16  # tokens a block: the unit of prefix sharing and of allocation (docs/design.md)
 ONE_SEQUENCE = "speculative decoding runs one sequence at a time: use a single prompt and --batch_size 1"
-
-
-def log(*args):
-    print(*args, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- the engine
@@ -94,6 +89,7 @@ class Engine:
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
         self.wakeup = threading.Event()  # set by submit and cancel
         self.steps, self.last_shape, self.compiled_ready = 0, None, None  # ready: graphs compiled aside
+        self.eager_steps, self.compiling_aside = 0, False  # steps run eagerly while the graphs compile aside
         # tensor-parallel ranks each build every step's inputs from the plan, never from their own tokens
         self.continues = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.lookahead = self.device.type == "cuda" and self.continues  # launch the next step before reading this one's tokens
@@ -212,38 +208,12 @@ class Engine:
         the eager forward while they compile."""
         return self.rides is not forward_rides or self.compiled_ready is not None
 
-    def compile_aside(self, plans: list) -> threading.Thread:
-        """Step eagerly while a thread runs plans (on the scratch block) through a copy of this
-        engine that holds the compiled graphs, compiling them; the first step after the last plan
-        takes the graphs up. A server answers at once instead of after minutes of compiling."""
-        compiled = self.rides, self.short_chunk, self.long_chunk
-        aside = copy.copy(self)  # its own last step and shapes; the same model, pools and feeder
-        self.rides, self.short_chunk, self.long_chunk = forward_rides, forward_chunk, forward_chunk
-
-        @torch.inference_mode()
-        def work():
-            try:
-                with compiling(": the next step runs the compiled graphs"):
-                    for plan in plans:
-                        aside.run(plan)
-            except Exception as e:  # the eager step serves on
-                log(f"compiling failed, the step stays eager ({type(e).__name__}: {e})")
-                return
-            self.compiled_ready = compiled
-            self.wakeup.set()
-
-        (thread := threading.Thread(target=work, name="compile", daemon=True)).start()
-        return thread
-
     # ---- the stepping thread
 
     @torch.inference_mode()
     def step(self) -> bool:
         """Schedule, run and post-process one step. False when there was nothing to do."""
         self.steps += 1
-        if self.compiled_ready is not None:  # compiled aside: from this step on, the graphs
-            (self.rides, self.short_chunk, self.long_chunk), self.compiled_ready = self.compiled_ready, None
-            self.last_rides = self.last_out = None
         plan = self.scheduler.schedule()
         if plan.empty():
             return False
@@ -296,6 +266,11 @@ class Engine:
         """The model's part of a step (every tensor-parallel rank runs it): the rides' wanted rows'
         logits (L, V) or, when the plan samples in the step, their tokens (L, 1); and each chunk's
         last logits (V,) (every token's (T, V) for a chunk marked so)."""
+        if self.compiled_ready is not None:  # compiled aside (warmup.compile_aside): from here on, the graphs
+            (self.rides, self.short_chunk, self.long_chunk), self.compiled_ready = self.compiled_ready, None
+            self.last_rides = self.last_out = self.last_shape = None
+            self.compiling_aside = False
+        self.eager_steps += self.compiling_aside
         out = self.run_rides(plan) if plan.rides else None
         if not plan.rides:
             self.last_out = None
@@ -452,7 +427,7 @@ class Engine:
         if on_tokens is not None:
             for b, row in enumerate(rows):
                 row.on_token = self.streamer(on_tokens, b, len(rows))
-        start, times, first = time.perf_counter(), [], None
+        start, times, first, eager = time.perf_counter(), [], None, self.eager_steps
         in_step, self.sample_in_step = self.sample_in_step, self.sample_in_step and not host
         try:
             for row in rows:
@@ -475,7 +450,7 @@ class Engine:
                       ttft_s=first - start, decode_s=(times[-1] if times else first) - first,
                       token_times=[first] + times, batch_size=len(rows), finish_reasons=[r.finish_reason for r in rows],
                       logprobs=[r.token_logprobs for r in rows] if logprobs is not None else [],
-                      cached_tokens=sum(r.cached_tokens for r in rows))
+                      cached_tokens=sum(r.cached_tokens for r in rows), eager_steps=self.eager_steps - eager)
         return [r.out for r in rows], stats
 
     @staticmethod
@@ -488,48 +463,16 @@ class Engine:
             return b in (on_tokens(ids) or ())
         return on_token
 
-    def warm_up(self, prompts: list, sampling: Sampling, host: bool = False, constrained: bool = False):
-        """Compile the graphs a generate call will use (a few steps of the same shape), then forget
-        the prefixes it cached, so that the next call measures generation, not compilation."""
+    def warm_up(self, prompts: Optional[list], sampling: Sampling, host: bool = False, constrained: bool = False,
+                aside: bool = False) -> Optional[threading.Thread]:
+        """Compile the graphs generate calls for these prompts (None: a chat's turns) will use, first
+        or (aside) on a thread while the eager step runs (warmup.py); the thread, when aside."""
         if not self.compiled:
-            return
-        steps = min(3, self.max_seq_length - max(len(p) for p in prompts))
-        log("compiling (about a minute the first time, cached on disk afterwards"
-            "; every run with --compile_mode max)...")
-        with compiling():
-            if steps > 0:
-                self.generate(prompts, steps, sampling, host=host)
-            if (host or constrained) and len(prompts) == 1:  # the chunks of forced tokens
-                self.warm_up_chunks(3)
-            if constrained and self.sample_in_step and not host and not sampling.adjusts:
-                self.warm_up_mask(len(prompts), sampling)
-        self.forget_prefixes()
-
-    def chunk_plans(self, longest: int) -> list:
-        """Steps that run the graph of a few tokens after cached ones (a verify, a grammar's forced
-        tokens, a prompt's tail after a prefix hit): one graph for them all (run_chunk pads the
-        sizes of 1 a dynamic graph would specialize), met in the shapes that compiled apart before,
-        up to longest tokens. Nothing is kept (the scratch block)."""
-        plans = []
-        for T, pos in ((longest, 3), (2, 20), (3, 5), (1, 9), (1, 40)):
-            pos = max(1, min(pos, self.max_seq_length - T))
-            plans.append(StepPlan(chunks=[([0] * T, pos, ([], []), True)]))
-        return plans
-
-    def warm_up_chunks(self, longest: int):
-        with torch.inference_mode():
-            for plan in self.chunk_plans(longest):
-                self.run(plan)
-
-    def warm_up_mask(self, rows: int, sampling: Sampling):
-        """The step that applies a grammar's mask, at two cache lengths of more than one block (so
-        that it compiles general in them), every token allowed, on the scratch block."""
-        with torch.inference_mode():  # an inference tensor, as a step's mask is: the graph guards on it
-            mask = token_masks([None] * rows, self.model.args.vocab_size).to(self.device)
-            for pos in (2 * self.block_size, 3 * self.block_size):
-                plan = StepPlan(rides=[(0, min(pos, self.max_seq_length - 1), ([], []))] * rows,
-                                wants=list(range(rows)), sampling=sampling, mask=mask)
-                self.run(plan)
+            return None
+        plans = warmup.generate_plans(self, prompts, sampling, host, constrained)
+        if aside:
+            return warmup.compile_aside(self, plans)
+        warmup.compile_now(self, plans)
 
     def metrics(self, stats: "Stats") -> dict:
         return decode_metrics(stats, self.model, self.device)
@@ -546,6 +489,7 @@ class Stats:
     finish_reasons: list = field(default_factory=list)  # per row: "stop" | "length"
     logprobs: list = field(default_factory=list)  # per row, per token (see sampling.token_logprobs), when asked for
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    eager_steps: int = 0  # steps run eagerly while the compiled ones compiled aside
 
 
 class Chat:
@@ -595,4 +539,5 @@ def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> di
         "peak_memory_bytes": peak_memory_bytes(device),
         # graphs this process compiled instead of finding them in the on-disk cache
         "compile_cache_misses": counters["inductor"]["fxgraph_cache_miss"],
+        "eager_steps": stats.eager_steps,
     }

@@ -49,6 +49,11 @@ def require_dir(checkpoint_dir) -> Path:
     return ckpt
 
 
+def log(*args):
+    """A line for the user on stderr (stdout carries the generated text)."""
+    print(*args, file=sys.stderr, flush=True)
+
+
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (its type when the message is empty)."""
     return " ".join(str(e).split()) or type(e).__name__

@@ -52,7 +52,9 @@ def print_metrics(metrics: dict):
     if metrics["decode_tokens_per_s"] == 0:  # one token, or a grammar forced the rest: no step to time
         log(f"no decode step to time (the tokens after the first were forced, or there were none); {peak}")
     else:
-        log(f"decode {metrics['decode_tokens_per_s']:.2f} tokens/s, inter-token latency median "
+        eager = metrics["eager_steps"]  # steps run while the compiled step compiled aside
+        eager = f" ({eager} steps eager while the compiled step compiled)" if eager else ""
+        log(f"decode {metrics['decode_tokens_per_s']:.2f} tokens/s{eager}, inter-token latency median "
             f"{metrics['inter_token_latency_median_s'] * 1000:.1f} ms, "
             f"p90 {metrics['inter_token_latency_p90_s'] * 1000:.1f} ms")
         log(f"memory bandwidth {metrics['bandwidth_gb_s']:.2f} GB/s, {peak}")
@@ -391,20 +393,29 @@ def main(argv=None):
                 "logprobs": args.logprobs}
 
     host = sampling.adjusts or args.logprobs is not None  # the compiled step returns logits
+    if args.profile is not None and device.type == "cuda":  # before any capture: kernels inside CUDA graphs show
+        torch.profiler._utils._init_for_cuda_graphs()
+    compiling = engine.warm_up(prompts, sampling, host=host, constrained=bool(grammar), aside=not waits(args, tp, device))
     if args.interactive:
-        engine.warm_up([[0]], sampling, host=host, constrained=bool(grammar))
         all_metrics = run_interactive(engine, tok, args, sampling, options)
     else:
-        if args.profile is not None and device.type == "cuda":  # before any capture: kernels inside CUDA graphs show
-            torch.profiler._utils._init_for_cuda_graphs()
-        engine.warm_up(prompts, sampling, host=host, constrained=bool(grammar))
         all_metrics = []
         with timing_turn():
             for i in range(args.num_samples):
                 all_metrics.append(run_sample(engine, tok, args, prompts, sampling, stop_ids, options, tp,
                                               profiling=i == args.num_samples - 1, constrained=grammar is not None))
+    if compiling is not None and compiling.is_alive():
+        log("the run ended before the compiled step was ready: it stepped eagerly throughout "
+            "(--wait_for_compile compiles first, and caches the graphs on disk for later runs)")
     if args.metrics_json and (tp is None or tp.rank == 0):
         write_json(args.metrics_json, all_metrics)
+
+
+def waits(args, tp, device) -> bool:
+    """Whether the run compiles before its first token: where it times samples, where CUDA graphs
+    record with the device to themselves, and where tensor-parallel ranks step in lockstep."""
+    return (args.wait_for_compile or args.num_samples > 1 or args.profile is not None or args.compare_plain
+            or device.type != "cpu" or tp is not None)
 
 
 def timing_turn():

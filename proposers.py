@@ -11,7 +11,7 @@ Proposers:
   a repeating pattern still yields k tokens.
 """
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -72,6 +72,11 @@ class Proposer(ABC):
 
     def warm_up(self, sampling: Sampling, host: bool = False):
         """Run any compiled graph once before timing (host: the one that returns logits)."""
+
+    def compile_aside(self, sampling: Sampling, host: bool = False) -> Optional[Callable]:
+        """Propose eagerly from now on; the work (for a compile thread) that compiles what warm_up
+        would and hands it over, or None when there is nothing to compile."""
+        return None
 
     @abstractmethod
     def start(self, context: list, sampling: Sampling):
@@ -148,6 +153,7 @@ class DraftProposer(Proposer):
         if compile:
             self.step = compile_step(draft_one_token, model, compile_mode)
         self.fed: list = []
+        self.ready: Optional[Callable] = None  # the step compiled aside, until a proposal takes it up
 
     def setup(self, max_seq_length: int):
         if self.model.max_batch_size != 1 or self.model.max_seq_length != max_seq_length:
@@ -172,6 +178,23 @@ class DraftProposer(Proposer):
             self._logits(0, 0) if host else self._one(0, 0, sampling)
         self.fed = []  # slot 0 now holds garbage
 
+    def compile_aside(self, sampling: Sampling, host: bool = False) -> Callable:
+        compiled, self.step = self.step, draft_one_token
+
+        def work():  # (under the compile thread's inference mode: inference tensors, as a step's inputs are)
+            token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            pos = torch.zeros(1, dtype=torch.long, device=self.device)
+            for _ in range(2):  # as warm_up, at slot 0
+                compiled(self.model, token, pos, None if host else sampling)
+            self.ready = compiled
+        return work
+
+    def take_up(self, context: list):
+        """The step compiled aside, once ready; its warm-up wrote slot 0, so the draft starts over."""
+        if self.ready is not None:
+            self.step, self.ready, self.fed = self.ready, None, []
+            self.start(context, None)
+
     def start(self, context: list, sampling: Sampling):
         """Prefill the draft with context[:-1], reusing what its cache already holds (chat turns)."""
         keep = min(common_prefix(self.fed, context), len(context) - 1)
@@ -183,6 +206,7 @@ class DraftProposer(Proposer):
 
     def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
         """k drafted ids and their distributions q (k, V) (None when greedy)."""
+        self.take_up(context)
         # catch up on what the draft has not seen: the target's last token, and after a fully
         # accepted block also the last proposal, which the draft produced but never fed back
         for token in context[len(self.fed):]:
@@ -202,6 +226,7 @@ class DraftProposer(Proposer):
         """Up to k ids drafted from the draft's logits masked by the grammar, and the distributions
         they were drawn from (k, V) (None when greedy: masked argmax); up to where the grammar
         completes. (Where it forces tokens the engine inserts its own, and skips these proposals.)"""
+        self.take_up(context)
         missing = context[len(self.fed):]  # the target's new tokens: a sampled one and any a grammar forced
         if len(missing) > 1:  # all but the last as one chunk
             self.forwards += 1

@@ -41,10 +41,9 @@ import torch
 
 import checkpoint
 import kernels
+import warmup
 from choices import COMPILE_MODES, TP_MODES
-from compile import compiling
 from engine import BLOCK_SIZE, Engine, log
-from forwards import buckets
 from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype, preflight
 from errors import UserError, run_cli
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
@@ -52,7 +51,6 @@ from openai_api import Server, build_app
 from prompt_store import open_store
 from rope import recompute_position, trained_context
 from scheduler import StepPlan
-from thresholds import THRESHOLDS
 from tokenizer import Tokenizer
 from tp import init_from_env
 
@@ -162,55 +160,14 @@ def kv_tokens(args) -> int:
     return args.kv_cache_tokens or args.max_batch_size * args.max_seq_length
 
 
-def warm_up_plans(engine: Engine) -> list:
-    """The steps that compile every shape serving meets (a request would otherwise wait for the
-    compiler in the middle of serving), on the scratch block. On CPU: two batch sizes (one with
-    prompt rows, which need no logits) and two cache lengths, the second step changing all three at
-    once so that one recompile makes the graph general in them; then steps of as many rows, and as
-    many logits, as make the float products change kernels (kernels.compiled_onednn_min_tokens),
-    which compile apart. On CUDA the step is general from the first compile: every shape a step
-    takes (power-of-two rows, each cache bucket), twice, so that each is recorded as a CUDA graph."""
-    B, fused = engine.max_batch_size, engine.scheduler.fused_rows
-
-    def step(decoding: int, prompt: int, pos: int) -> StepPlan:
-        """decoding rows that want logits, and a prompt's rows beside them (its last one wants its logits)."""
-        rides = [(0, pos, ([], []))] * (decoding + prompt)  # no blocks: every row reads and writes the scratch block
-        return StepPlan(rides=rides, wants=list(range(decoding)) + ([len(rides) - 1] if prompt else []))
-
-    if engine.pad_rows:
-        widths = sorted({engine.step_width(n) for n in range(1, B + 1)})
-        plans = [step(w, 0, kv - 1) for w in widths for kv in buckets(engine.kv_limit) for _ in range(2)]
-    else:
-        # a prompt chunk of two tokens: one more logit-less row
-        grow = (engine.min_rows, 2) if fused else (min(engine.min_rows + 1, B + 1), 0)
-        plans = [step(engine.min_rows, 0, 0), step(*grow, min(200, engine.max_seq_length - 3)), step(*grow, 0)]
-        wide = kernels.compiled_onednn_min_tokens(engine.model.norm.weight.dtype)
-        pos = max(0, engine.max_seq_length - wide - 1)
-        if fused >= wide:  # many rows, few logits: prompt tokens beside a few streams
-            plans.append(step(1, wide - 1, pos))
-        elif B + 1 >= wide:
-            plans.append(step(wide, 0, pos))
-        if B >= wide:  # many rows and many logits: as many streams
-            plans.append(step(wide, 2 if fused >= wide + 2 else 0, pos))
-    return plans + engine.chunk_plans(THRESHOLDS.attend_max_queries)  # a prompt's few tokens after cached blocks
-
-
 def warm_up(engine: Engine, aside: bool = False) -> Optional[threading.Thread]:
     """Compile the step before serving, or (aside) on a thread of its own while the eager step
     serves: the server answers within seconds and reaches the compiled speed when the graphs are
     ready (or found in the on-disk cache)."""
     if not engine.compiled:
         return
-    plans = warm_up_plans(engine)
-    if aside:
-        log("serving with the eager step while the compiled one compiles (cached on disk afterwards)")
-        return engine.compile_aside(plans)
-    log("compiling the decode step (a minute or more the first time, cached on disk afterwards)...")
-    with torch.inference_mode(), compiling():
-        for plan in plans:
-            if engine.broadcast is not None:
-                engine.broadcast(plan)
-            engine.run(plan)
+    plans = warmup.serve_plans(engine)
+    return warmup.compile_aside(engine, plans) if aside else warmup.compile_now(engine, plans)
 
 
 def load_engine(args, tp) -> tuple[Tokenizer, Engine]:

@@ -44,6 +44,7 @@ keeps the accepted ones): their slots are written again later. Nothing is rewoun
 Batch size 1 only: rows of a batch accept different numbers of tokens; larger batches are refused.
 """
 import json
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -52,7 +53,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from engine import ONE_SEQUENCE, Engine, Stats, decode_metrics, log
+import warmup
+from engine import ONE_SEQUENCE, Engine, Stats, decode_metrics
 from errors import UserError
 from grammar import apply_mask, unpack_mask_on_host
 from model import param_bytes
@@ -226,18 +228,17 @@ class SpeculativeEngine:
     def forget_prefixes(self):
         self.engine.forget_prefixes()
 
-    def warm_up(self, prompts: list, sampling: Sampling, host: bool = False, constrained: bool = False):
-        """Run every compiled graph (the verify's, the draft's step) before timing; host: the ones
-        that return logits (penalties, logit_bias or logprobs; a grammar's mask, constrained)."""
+    def warm_up(self, prompts: list, sampling: Sampling, host: bool = False, constrained: bool = False,
+                aside: bool = False) -> Optional[threading.Thread]:
+        """Compile every graph (the verify's, the draft's step) first or (aside) on a thread while the
+        eager ones run; host: the ones that return logits (penalties, logit_bias or logprobs; a
+        grammar's mask, constrained)."""
         if not self.compiled:
-            return
-        log("compiling (about a minute the first time, cached on disk afterwards)...")
-        start = time.perf_counter()
-        engine = self.engine
-        engine.warm_up_chunks(self.k + 1)  # the verify's shapes, and the plain step's
-        with torch.inference_mode():
-            self.proposer.warm_up(sampling, host or constrained)
-        log(f"compiled in {time.perf_counter() - start:.1f} s")
+            return None
+        plans, host = warmup.chunk_plans(self.engine, self.k + 1), host or constrained  # the verify's shapes
+        if aside:
+            return warmup.compile_aside(self.engine, plans, then=self.proposer.compile_aside(sampling, host))
+        warmup.compile_now(self.engine, plans, then=lambda: self.proposer.warm_up(sampling, host))
 
     @torch.inference_mode()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(),
@@ -258,7 +259,7 @@ class SpeculativeEngine:
         host = host or sampling.adjusts or logprobs is not None or row.constraint is not None
         stats = SpecStats(prompt_tokens=len(prompt), new_tokens=0, ttft_s=0.0, decode_s=0.0, token_times=[],
                           k=self.k, histogram=[0] * (self.k + 1))
-        draft_forwards_before = self.proposer.forwards
+        draft_forwards_before, eager = self.proposer.forwards, self.engine.eager_steps
         self.k_round = min(ADAPTIVE_MIN_K, self.k) if self.adaptive else self.k
         start = time.perf_counter()
         scheduler = self.engine.scheduler
@@ -278,6 +279,7 @@ class SpeculativeEngine:
         stats.finish_reasons = [row.finish_reason]
         stats.logprobs = [row.token_logprobs] if logprobs is not None else []
         stats.cached_tokens = row.cached_tokens
+        stats.eager_steps = self.engine.eager_steps - eager
         return [row.out], stats
 
     def rounds(self, row: Request, host: bool, stats: "SpecStats", on_tokens: Optional[Callable]):

@@ -26,7 +26,7 @@ def one_run(tree: Path, checkpoint: Path, weights: str, prompt: str, args, out: 
     """Median decode tok/s and TTFT (ms) of one generate.py process of `tree`."""
     dtype = "float32" if weights in QUANTIZED else weights
     cmd = [sys.executable, str(tree / "generate.py"), "--checkpoint", str(checkpoint), "--prompt", prompt,
-           "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0", "--dtype", dtype, "--compile",
+           "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0", "--dtype", dtype, "--compile", "--wait_for_compile",
            "--ignore_eos", "--num_samples", str(args.samples), "--metrics_json", str(out)]
     metrics, err, _ = run_process(cmd, out, out.with_suffix(".log"), 1200)
     if err:

@@ -261,7 +261,7 @@ def run_ours(args, engine, dtype, ids, workdir: Path, tag: str) -> dict:
         cmd = [sys.executable, str(tree / "generate.py"), "--checkpoint", str(checkpoint),
                "--prompt", text, "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0",
                "--device", args.device, "--dtype", quantized_activations(args.device) if dtype in QUANTIZED else dtype,
-               "--no-compile" if engine == "ours-eager" else "--compile",
+               *(["--no-compile"] if engine == "ours-eager" else ["--compile", "--wait_for_compile"]),
                *(["--compile_mode", "max"] if engine == "ours-max" else []),
                *(["--compile_prefill"] if engine == "ours-prefill" else []),
                "--ignore_eos", "--num_samples", str(args.num_samples), "--metrics_json", str(out)]

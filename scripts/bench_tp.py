@@ -46,7 +46,7 @@ def measure(args, ranks: int, mode: str = "auto") -> dict:
         out = Path(tmp) / "metrics.json"
         gen = ["generate.py", "--checkpoint", args.checkpoint, "--prompt", PROMPT, "--max_new_tokens",
                args.max_new_tokens, "--ignore_eos", "--num_samples", args.num_samples, "--dtype", args.dtype,
-               "--metrics_json", out, "--compile" if args.compile else "--no-compile"]
+               "--metrics_json", out, *(["--compile", "--wait_for_compile"] if args.compile else ["--no-compile"])]
         if ranks:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *gen,
                    "--tp_mode", mode]

@@ -260,11 +260,52 @@ def test_a_second_identical_run_compiles_nothing(tiny_dir, tmp_path, mode):
     for i in range(2):
         mj = tmp_path / f"m{i}.json"
         r = run_script("generate.py", "--checkpoint", tiny_dir, "--prompt", "Hi", "--max_new_tokens", "24",
-                       "--metrics_json", mj, *flags, env=env, timeout=900)
+                       "--wait_for_compile", "--metrics_json", mj, *flags, env=env, timeout=900)
         assert r.returncode == 0, r.stderr[-2000:]
         misses.append(json.loads(mj.read_text())[0]["compile_cache_misses"])
         assert "0.00 tokens/s" not in r.stderr  # a run whose tokens were all forced says there was no step
     assert misses[0] > 0 and misses[1] == 0, misses
+
+
+@pytest.mark.parametrize("mode", ["plain", "rows", "logprobs", "json", "chat"])
+def test_generate_steps_eagerly_while_compiling_aside_then_compiles_nothing(tiny_dir, mode):
+    """generate.py's default: the first token at once from the eager step while a thread compiles
+    the plans of the steps this run takes (warmup.generate_plans); once taken up, the same run
+    compiles nothing more, and its tokens are the eager ones."""
+    from grammar import Grammars
+    from tokenizer import Tokenizer
+    from torch._dynamo.utils import counters
+    tok, model = Tokenizer(tiny_dir), load_model(tiny_dir)
+    prompts = [[5, 9, 200, 7], list(range(20, 31))] if mode == "rows" else [[5, 9, 200, 7]]
+    grammars = Grammars(tiny_dir, model.args.vocab_size, tok.eos_ids) if mode == "json" else None
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+
+    def run(engine):
+        if mode == "chat":  # a turn, then one after it on the cached turn's blocks
+            talk = Chat(engine, tok)
+            return [talk.reply(text, 6, Sampling())[0] for text in ("Hi", "And?")], None
+        options = {"logprobs": 2} if mode == "logprobs" else {}
+        if grammars:
+            options["constraints"] = [grammars.constraint(grammars.compile("json_schema", schema))]
+        outs, stats = engine.generate(prompts, 8, Sampling(), **options)
+        return outs, stats
+
+    want, _ = run(Engine(model, len(prompts), 64))
+    engine = Engine(model, len(prompts), 64, compile=True, prefill_chunk=64)
+    torch._dynamo.reset()
+    thread = engine.warm_up(None if mode == "chat" else prompts, Sampling(), host=mode == "logprobs",
+                            constrained=mode == "json", aside=True)
+    assert thread.is_alive() and not engine.step_compiled
+    before = engine.eager_steps
+    eager, _ = run(engine)
+    assert engine.eager_steps > before
+    thread.join(timeout=900)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled, stats = run(engine)
+    assert engine.step_compiled and counters["stats"]["unique_graphs"] == graphs
+    assert stats is None or stats.eager_steps == 0
+    assert eager == compiled == want
 
 
 def broken_copy(src: Path, dst: Path, config=None, weights=None) -> Path:

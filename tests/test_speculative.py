@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kernels
+import proposers
 import speculative
 from conftest import TEST_DEVICE, random_model, run_script, save_checkpoint
 from engine import Chat, Engine
@@ -323,6 +324,27 @@ def test_compiled_matches_eager(target, monkeypatch):
     assert stats.plain_steps > 0 and sum(stats.histogram) > 0  # both compiled graphs ran
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["in-step", "host"])
+def test_compiled_aside_drafts_eagerly_then_takes_the_graphs_up(target, host):
+    """generate.py's default: the verify and the draft's step compile on a thread while both run
+    eagerly; the draft's compile wrote its slot 0, so it starts over when it takes its step up. The
+    text is plain greedy's throughout, and after the take-up nothing compiles."""
+    prompt = PROMPTS[2]
+    expected = plain_greedy(target, prompt, 40)
+    spec = spec_engine(kernels.install(copy.deepcopy(target)), 4, draft=noisy_copy(target, 0.05), compile=True)
+    options = {"logprobs": 1} if host else {}
+    torch._dynamo.reset()
+    thread = spec.warm_up([prompt], Sampling(), host=host, aside=True)
+    assert thread.is_alive() and spec.proposer.step is proposers.draft_one_token
+    (eager,), stats = spec.generate([prompt], 40, Sampling(), **options)
+    assert stats.eager_steps > 0
+    thread.join(timeout=900)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        (out,), stats = spec.generate([prompt], 40, Sampling(), **options)
+    assert stats.eager_steps == 0 and spec.proposer.step is not proposers.draft_one_token
+    assert eager == out == expected and sum(stats.histogram[1:]) > 0  # the restarted draft still proposes well
+
+
 def test_next_k_grows_after_full_blocks_and_shrinks_after_rejections():
     from speculative import next_k
     assert next_k(2, 2, 2, 8) == 4 and next_k(3, 3, 3, 8) == 6 and next_k(6, 6, 6, 8) == 8 and next_k(8, 8, 8, 8) == 8
@@ -486,7 +508,7 @@ def test_cli_bfloat16_draft_gives_the_plain_output(smollm2_dir, tmp_path):
                    "--draft_dtype", "bfloat16", "--speculate_k", "4", "--chat", "--prompt", GROUNDED,
                    "--max_new_tokens", "16", "--no-compile", "--compare_plain", "--metrics_json", mj)
     assert r.returncode == 0, r.stderr
-    assert "in bfloat16)" in r.stderr and "output identical" in r.stderr, r.stderr
+    assert "weights in bfloat16" in r.stderr and "output identical" in r.stderr, r.stderr
     (m,) = json.loads(mj.read_text())
     assert m["identical_to_plain"] and m["draft_forwards"] > 0
 
