@@ -33,7 +33,7 @@ from grammar import token_masks
 from memory import Need, check_memory, kv_cache_bytes, peak_memory_bytes
 from model import Transformer, param_bytes
 from rope import recompute_position
-from sampling import Sampling, pick_tokens, score_prompt
+from sampling import Sampling, pick_tokens, score_prompt, step_sampling
 from scheduler import Request, Scheduler, StepPlan
 from thresholds import THRESHOLDS
 
@@ -89,6 +89,7 @@ class Engine:
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
         self.wakeup = threading.Event()  # set by submit and cancel
         self.steps, self.last_shape, self.compiled_ready = 0, None, None  # ready: graphs compiled aside
+        self.on_device = {}  # each Sampling a step met, as the step takes it (sampling.StepSampling)
         self.eager_steps, self.compiling_aside = 0, False  # steps run eagerly while the graphs compile aside
         # tensor-parallel ranks each build every step's inputs from the plan, never from their own tokens
         self.continues = not (torch.distributed.is_available() and torch.distributed.is_initialized())
@@ -326,8 +327,11 @@ class Engine:
     def call_rides(self, batch: Rides, sampling: Optional[Sampling], mask: Optional[Tensor]) -> Tensor:
         # a step of the same shapes as the last one runs the graph that one checked its guards for
         inputs = batch.inputs
-        shape = (inputs["tokens"].shape[0], batch.kv_len, inputs["logit_rows"].shape[0], sampling,
-                 None if mask is None else mask.shape)
+        if sampling is not None and sampling not in self.on_device:  # its numbers a tensor: one graph for all
+            self.on_device[sampling] = step_sampling(sampling, self.model.args.vocab_size, self.device)
+        sampling = self.on_device.get(sampling)
+        shape = (inputs["tokens"].shape[0], batch.kv_len, inputs["logit_rows"].shape[0],
+                 sampling and sampling[:4], None if mask is None else mask.shape)
         same, self.last_shape = shape == self.last_shape, shape
         with guards_skipped(same and self.step_compiled):
             out = self.rides(self.model, inputs["tokens"], inputs["positions"], self.block_size, batch.kv_len,

@@ -74,11 +74,19 @@ def run_cli(main, argv=None):
     """Run a command line's main(): a UserError becomes `error: ...` on stderr and exit 1."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is interrupted_quietly:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt again: cleanups run on the way out
+    code = 0
     try:
         main(argv)
     except UserError as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
-        sys.exit(1)
+        code = 1
     except KeyboardInterrupt:  # what was being written has been cleaned up on the way out
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
+    if any(t.name == "compile" and t.is_alive() for t in threading.enumerate()):
+        # a thread still in the compiler (warmup.compile_aside) makes the interpreter's shutdown abort
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)

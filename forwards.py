@@ -14,11 +14,11 @@ from torch import Tensor
 
 from grammar import unpack_mask
 from model import ForwardBatch, Transformer
-from sampling import Sampling, sample
+from sampling import StepSampling, sample_in_step
 
 
 def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
-                  logit_rows: Tensor, sampling: Optional[Sampling] = None, mask: Optional[Tensor] = None,
+                  logit_rows: Tensor, sampling: Optional[StepSampling] = None, mask: Optional[Tensor] = None,
                   **views) -> Tensor:
     """One token a row (W, 1) at its position (W, 1), reading its keys up to kv_len through its block
     table (views: ForwardBatch's slots and block_table, and a mixed model's window_slots and
@@ -28,7 +28,7 @@ def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_s
     logits = model(tokens, batch)[:, -1]  # (L, V)
     if mask is not None:
         logits = logits.masked_fill(~unpack_mask(mask, logits.shape[-1]), float("-inf"))
-    return logits if sampling is None else sample(logits, sampling)
+    return logits if sampling is None else sample_in_step(logits, sampling)
 
 
 def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,

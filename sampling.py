@@ -9,7 +9,7 @@ logit_bias depend on the tokens so far and run on the host's side of a step (`ad
 as do a grammar's mask and the logprobs a request asks for (`pick_tokens`).
 """
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -102,6 +102,34 @@ def sample_probs(probs: Tensor, noise: Optional[Tensor] = None) -> Tensor:
     with no multinomial and no host sync; noise: the Exp(1) draws, when a row has its own generator."""
     noise = torch.empty_like(probs).exponential_(1) if noise is None else noise
     return (probs / noise).argmax(-1, keepdim=True)
+
+
+class StepSampling(NamedTuple):
+    """One Sampling as a compiled step takes it: what changes the graph (greedy or not, which
+    filters, top-k's count) as constants, the numbers (temperature, top-p, min-p) as a tensor (3,),
+    so that one graph serves every temperature, top-p and min-p."""
+    greedy: bool
+    top_k: Optional[int]
+    top_p: bool
+    min_p: bool
+    values: Optional[Tensor]
+
+
+def step_sampling(s: Sampling, vocab_size: int, device) -> StepSampling:
+    if s.temperature == 0:
+        return StepSampling(True, None, False, False, None)
+    values = torch.tensor([max(s.temperature, 1e-5), s.top_p, s.min_p], device=device)
+    top_k = s.top_k if s.top_k is not None and s.top_k < vocab_size else None
+    return StepSampling(False, top_k, s.top_p < 1, s.min_p > 0, values)
+
+
+def sample_in_step(logits: Tensor, s: StepSampling) -> Tensor:
+    """(B, V) logits -> (B, 1) token ids under s (inside a compiled step): as sample()."""
+    if s.greedy:
+        return logits.argmax(-1, keepdim=True)
+    temperature, top_p, min_p = s.values[0], s.values[1], s.values[2]
+    probs = filtered_probs(logits, temperature, s.top_k, top_p if s.top_p else None, min_p if s.min_p else None)
+    return sample_probs(probs / probs.sum(-1, keepdim=True) if s.min_p else probs)
 
 
 def sample(logits: Tensor, sampling: Sampling) -> Tensor:

@@ -60,6 +60,30 @@ def test_compiled_decode_matches_eager(compile_mode):
     assert compiled == eager
 
 
+def test_the_in_step_sampler_draws_what_the_host_one_draws():
+    """A compiled step's sampler takes temperature, top-p and min-p as a tensor: from the same
+    random stream it picks the very tokens sample() picks from the numbers."""
+    from sampling import sample_in_step, step_sampling
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0)) * 3
+    for s in (Sampling(0.0), Sampling(0.7), Sampling(1.3, top_p=0.8), Sampling(0.9, top_k=20, top_p=0.95),
+              Sampling(1.0, top_k=5), Sampling(0.8, min_p=0.1), Sampling(1.0, top_k=400, top_p=0.5, min_p=0.05)):
+        torch.manual_seed(1)
+        want = sample(logits, s)
+        torch.manual_seed(1)
+        assert torch.equal(sample_in_step(logits, step_sampling(s, 300, "cpu")), want), s
+
+
+def test_one_compiled_step_serves_every_temperature_top_p_and_min_p():
+    """--temperature 0.7 after 0.8 (or another top-p, min-p) runs the graph already compiled."""
+    engine = Engine(kernels.install(random_model(n_layers=2)), 1, 64, compile=True)
+    torch._dynamo.reset()
+    engine.generate([[5, 9, 200]], 6, Sampling(0.8, top_p=0.9, min_p=0.05))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for s in (Sampling(0.7, top_p=0.95, min_p=0.1), Sampling(1.2, top_p=0.5, min_p=0.01)):
+            outs, _ = engine.generate([[5, 9, 200]], 6, s)
+            assert len(outs[0]) == 6
+
+
 def test_regional_compile_compiles_each_kind_of_layer_once():
     """--compile_mode regional: the step's code defines one region per kind of layer (full and
     sliding attention, which keep keys in pools of their own) and calls it for each of the six
@@ -306,6 +330,19 @@ def test_generate_steps_eagerly_while_compiling_aside_then_compiles_nothing(tiny
     assert engine.step_compiled and counters["stats"]["unique_graphs"] == graphs
     assert stats is None or stats.eager_steps == 0
     assert eager == compiled == want
+
+
+def test_cli_prints_before_the_compile_ends_and_exits_cleanly(tiny_dir, tmp_path):
+    """The default run with empty compile caches: the text comes from the eager step, the metrics
+    say so, and the process exits 0 with the compile thread still running (an interpreter that
+    shuts down under a thread inside the compiler aborts: exit status 134 one time in three)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    for _ in range(3):
+        r = run_script("generate.py", "--checkpoint", tiny_dir, "--prompt", "Hi", "--max_new_tokens", "6",
+                       "--ignore_eos", env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "steps eager while the compiled step compiled" in r.stderr
+        assert "the run ended before the compiled step was ready" in r.stderr
 
 
 def broken_copy(src: Path, dst: Path, config=None, weights=None) -> Path:
