@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
-                     "required": ["name", "age"], "additionalProperties": False})
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+SCHEMA = json.dumps({"type": "object", "required": ["name", "age"], "additionalProperties": False,
+                     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}})
 
 
 def modes(ckpt: str, int4: str, schema: Path) -> dict:
@@ -32,15 +33,18 @@ def modes(ckpt: str, int4: str, schema: Path) -> dict:
         "int4": ["--checkpoint", int4, "--chat", "--prompt", "What is a KV cache?"],
         "ngram": chat + ["--ngram", "3"],
         "draft": chat + ["--draft_checkpoint", ckpt],
+        "torchrun 2 ranks": TORCHRUN + chat,  # (compiles first: ranks step in lockstep)
     }
 
 
-def run(flags: list, max_new_tokens: int, metrics: Path, timeout: float) -> dict:
-    """One generate.py process: when its stderr said "loaded" and "compiled in", when stdout's first
-    byte came, when it ended, and its metrics."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-        cmd = [sys.executable, "generate.py", *flags, "--max_new_tokens", str(max_new_tokens),
+def run(flags: list, max_new_tokens: int, metrics: Path, timeout: float, cache: str = None) -> dict:
+    """One generate.py process (its compile cache: `cache`, or a fresh one): when its stderr said
+    "loaded" and "compiled in", when stdout's first byte came, when it ended, and its metrics."""
+    with tempfile.TemporaryDirectory() as fresh:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache or fresh)
+        launch = flags[:len(TORCHRUN)] == TORCHRUN
+        cmd = [sys.executable, *(TORCHRUN if launch else []), "generate.py", *flags[len(TORCHRUN) if launch else 0:],
+               "--max_new_tokens", str(max_new_tokens),
                "--metrics_json", str(metrics)]
         start, seen = time.time(), {}
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -68,6 +72,18 @@ def run(flags: list, max_new_tokens: int, metrics: Path, timeout: float) -> dict
                 end_s=end - seen[b"loaded"], metrics=json.loads(metrics.read_text())[-1])
 
 
+def sharing(args, schema: Path, tmp: Path) -> list:
+    rows, cache = [], str(tmp / "shared-cache")
+    for name, flags in modes(args.checkpoint, args.int4, schema).items():
+        if name == "torchrun 2 ranks" or (args.only is not None and name not in args.only):
+            continue
+        r = run(flags + ["--wait_for_compile"], args.max_new_tokens, tmp / "m.json", 1800, cache)
+        rows.append(dict(mode=name, shared_cache=True, first_token_s=r["first_token_s"],
+                         compile_cache_misses=r["metrics"]["compile_cache_misses"]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m scripts.first_token")
     p.add_argument("--checkpoint", default="checkpoints/smollm2-135m")
@@ -75,6 +91,9 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=32)
     p.add_argument("--long", type=int, default=3000, help="new tokens of the run that reaches the compiled step")
     p.add_argument("--only", nargs="*", default=None, help="these modes only")
+    p.add_argument("--sharing", action="store_true",
+                   help="also: the modes one after another with --wait_for_compile in one compile cache, "
+                        "the graphs each compiles that the earlier ones did not")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = []
@@ -92,13 +111,15 @@ def main():
             r = run(["--checkpoint", args.checkpoint, "--prompt", "Once upon a time", "--ignore_eos"], args.long,
                     Path(tmp) / "m.json", 1800)
             m, eager = r["metrics"], r["metrics"]["eager_steps"]
+            done = r["compiled_s"]
             long = dict(mode="plain, long", new_tokens=m["new_tokens"], first_token_s=r["first_token_s"],
-                        compiled_s=r["compiled_s"], eager_steps=eager,
-                        eager_tokens_per_s=round(eager / (r["compiled_s"] - r["first_token_s"]), 1) if r["compiled_s"] else None,
-                        compiled_tokens_per_s=round((m["new_tokens"] - eager) / (r["end_s"] - r["compiled_s"]), 1)
-                        if r["compiled_s"] else None)
+                        compiled_s=done, eager_steps=eager,
+                        eager_tokens_per_s=round(eager / (done - r["first_token_s"]), 1) if done else None,
+                        compiled_tokens_per_s=round((m["new_tokens"] - eager) / (r["end_s"] - done), 1) if done else None)
             print(json.dumps(long), flush=True)
             rows.append(long)
+        if args.sharing:
+            rows += sharing(args, schema, Path(tmp))
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         meta = dict(date=time.strftime("%Y-%m-%d"), commit=commit.stdout.strip(), cpus=os.cpu_count(),
