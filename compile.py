@@ -38,7 +38,7 @@ def compile_options(device: torch.device, compile_mode: str) -> dict:
     # inductor's graph called from C++ rather than Python: a quantized step calls many kernels.py
     # operators, and the Python wrapper's per-call overhead shows. Not under tensor parallelism:
     # the C++ wrapper cannot call the functional collectives, nor a compiled region (regional mode).
-    if compile_mode == "regional" or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if compile_mode == "regional" or tensor_parallel():
         return {}
     return {"options": {"cpp_wrapper": True}}
 
@@ -67,6 +67,52 @@ def tag_compile_cache():
         torch.compiler.config.cache_key_tag = f"{current}:{tag}" if current else tag
 
 
+def tensor_parallel() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class DryRun(Exception):
+    """What a graph compiled for tensor parallelism raises instead of running, inside dry_run()."""
+
+
+DRY = threading.local()
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Within, on this thread, a tensor-parallel step compiles its graph and raises DryRun instead
+    of running it: a thread compiles while only the stepping thread issues collectives, which every
+    rank must issue in the same order (warmup.compile_aside)."""
+    DRY.on = True
+    try:
+        yield
+    finally:
+        DRY.on = False
+
+
+def dry_runnable(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """The inductor backend, its graphs raising DryRun inside dry_run()."""
+    from torch._inductor.compile_fx import compile_fx
+    compiled = compile_fx(gm, example_inputs)
+
+    def run(*args):
+        if getattr(DRY, "on", False):
+            raise DryRun
+        return compiled(*args)
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # called as inductor's graph is
+    return run
+
+
+def backend(device: torch.device):
+    return dry_runnable if device.type == "cpu" and tensor_parallel() else "inductor"
+
+
+def compile_chunk(fn: Callable, device: torch.device) -> Callable:
+    """torch.compile for a chunk's forward: general in its length from the first call."""
+    tag_compile_cache()
+    return torch.compile(fn, dynamic=True, fullgraph=True, backend=backend(device))
+
+
 def compile_step(fn: Callable, model: Transformer, compile_mode: str = "default", **options) -> Callable:
     """torch.compile(fn, fullgraph=True) for a step fn(model, ...). compile_mode: default, one graph
     of the whole step; regional, a step that calls one compiled layer for every layer alike (a
@@ -79,7 +125,9 @@ def compile_step(fn: Callable, model: Transformer, compile_mode: str = "default"
         # static shapes unless the caller says otherwise: in torch 2.13 a region reused in a graph
         # made dynamic by a later recompile can fail to trace
         options.setdefault("dynamic", False)
-    compiled = torch.compile(fn, fullgraph=True, **options, **compile_options(model.norm.weight.device, compile_mode))
+    device = model.norm.weight.device
+    options.update(compile_options(device, compile_mode))
+    compiled = torch.compile(fn, fullgraph=True, backend=backend(device), **options)
     if compile_mode != "regional":
         return compiled
 

@@ -26,7 +26,7 @@ import kernels
 import warmup
 from blocks import BlockManager
 from checkpoint import huge_page_zeros
-from compile import compile_step, guards_skipped, tag_compile_cache
+from compile import compile_chunk, compile_step, guards_skipped
 from errors import UserError, log
 from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides
 from grammar import token_masks
@@ -75,10 +75,8 @@ class Engine:
             self.rides = compile_step(forward_rides, model, compile_mode,
                                       dynamic=True if self.pad_rows and compile_mode != "regional" else None)
         # a short chunk (the tokens a grammar forced, a verify) compiled for any length; prompts eager
-        self.short_chunk = torch.compile(forward_chunk, dynamic=True, fullgraph=True) if compile else forward_chunk
-        self.long_chunk = torch.compile(forward_chunk, dynamic=True, fullgraph=True) if compile_prefill else forward_chunk
-        if compile or compile_prefill:
-            tag_compile_cache()
+        self.short_chunk = compile_chunk(forward_chunk, self.device) if compile else forward_chunk
+        self.long_chunk = compile_chunk(forward_chunk, self.device) if compile_prefill else forward_chunk
         if fused_rows is None:  # prompt tokens ride in the step where one kernel serves every row count
             fused = compile and self.device.type == "cpu" and kernels.available() and not self.pad_rows
             fused_rows = 64 if fused else 0
@@ -90,7 +88,8 @@ class Engine:
         self.wakeup = threading.Event()  # set by submit and cancel
         self.steps, self.last_shape, self.compiled_ready = 0, None, None  # ready: graphs compiled aside
         self.on_device = {}  # each Sampling a step met, as the step takes it (sampling.StepSampling)
-        self.eager_steps, self.compiling_aside = 0, False  # steps run eagerly while the graphs compile aside
+        # steps run eagerly while the graphs compile aside; under tensor parallelism, how the ranks agree they are ready
+        self.eager_steps, self.compiling_aside, self.agree = 0, False, None
         # tensor-parallel ranks each build every step's inputs from the plan, never from their own tokens
         self.continues = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.lookahead = self.device.type == "cuda" and self.continues  # launch the next step before reading this one's tokens
@@ -203,6 +202,12 @@ class Engine:
             blocks.forget(b)
             blocks.fresh.append(b)
 
+    def graphs_ready(self) -> bool:
+        """Whether the graphs compiled aside are ready; under tensor parallelism, on every rank, so
+        that the ranks take them up at the same step."""
+        ready = self.compiled_ready is not None
+        return ready if self.agree is None else self.agree(ready)
+
     @property
     def step_compiled(self) -> bool:
         """Whether steps run the compiled graphs (from the next step on, once compiled aside), not
@@ -267,7 +272,7 @@ class Engine:
         """The model's part of a step (every tensor-parallel rank runs it): the rides' wanted rows'
         logits (L, V) or, when the plan samples in the step, their tokens (L, 1); and each chunk's
         last logits (V,) (every token's (T, V) for a chunk marked so)."""
-        if self.compiled_ready is not None:  # compiled aside (warmup.compile_aside): from here on, the graphs
+        if self.compiling_aside and self.graphs_ready():  # (warmup.compile_aside) from here on, the graphs
             (self.rides, self.short_chunk, self.long_chunk), self.compiled_ready = self.compiled_ready, None
             self.last_rides = self.last_out = self.last_shape = None
             self.compiling_aside = False

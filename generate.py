@@ -413,9 +413,9 @@ def main(argv=None):
 
 def waits(args, tp, device) -> bool:
     """Whether the run compiles before its first token: where it times samples, where CUDA graphs
-    record with the device to themselves, and where tensor-parallel ranks step in lockstep."""
+    record with the device to themselves, and where tensor-parallel ranks would draft apart."""
     return (args.wait_for_compile or args.num_samples > 1 or args.profile is not None or args.compare_plain
-            or device.type != "cpu" or tp is not None)
+            or device.type != "cpu" or (tp is not None and args.draft_checkpoint is not None))
 
 
 def timing_turn():

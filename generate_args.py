@@ -23,9 +23,10 @@ def add_model_args(p):
                    help="compile the decode step with torch.compile (default: on)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (dynamic shapes)")
     p.add_argument("--wait_for_compile", action="store_true",
-                   help="compile before the first token, not on a thread while the eager step runs (implied by "
-                        "--num_samples > 1, --profile, --compare_plain, CUDA and torchrun); the eager and compiled "
-                        "steps round differently, so only then is a run's text independent of when the compile ends")
+                   help="compile before the first token, not on a thread while the eager step runs (implied "
+                        "by --num_samples > 1, --profile, --compare_plain, CUDA, a draft under torchrun); the eager "
+                        "and compiled steps round differently, so only then is a run's text independent of when "
+                        "the compile ends")
     p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
                    help="regional: compile one layer and reuse it for every layer alike (a fraction of the "
                         "compile time; a slower step on small models); max: on CPU, freeze "

@@ -487,6 +487,13 @@ def init_from_env(device: str = "cpu", mode: str = "auto") -> tuple[Optional[Ten
     return TensorParallel(rank, world, device=device, mode=mode), device
 
 
+def all_ranks(flag: bool) -> bool:
+    """Whether flag holds on every rank: every rank calls it at the same point of its steps."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
 def close():
     """Destroy the process group, before the interpreter finalizes (init_from_env registers this
     at exit). The group's worker threads stop when its last reference goes, so TensorParallel

@@ -7,6 +7,7 @@ runs, CUDA graphs, tensor parallelism); compile_aside runs them on a thread thro
 engine that holds the compiled graphs while the engine itself steps eagerly, and the engine takes
 the graphs up at its first step after the last plan: a first token in seconds, not minutes.
 """
+import contextlib
 import copy
 import sys
 import threading
@@ -15,7 +16,8 @@ from typing import Callable, Optional
 import torch
 
 import kernels
-from compile import compiling
+import tp
+from compile import DryRun, compiling, dry_run, tensor_parallel
 from errors import log
 from forwards import buckets, forward_chunk, forward_rides
 from grammar import token_masks
@@ -129,12 +131,18 @@ def compile_aside(engine, plans: list, then: Optional[Callable] = None) -> threa
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)
 
+    dry = engine.device.type == "cpu" and tensor_parallel()  # compile without running the collectives
+    engine.agree = tp.all_ranks if dry else None
+
     @torch.inference_mode()
     def work():
         try:
-            with compiling(": the next step runs the compiled graphs"):
+            with compiling(": the next step runs the compiled graphs"), dry_run() if dry else contextlib.nullcontext():
                 for plan in plans:
-                    aside.run(plan)
+                    try:
+                        aside.run(plan)
+                    except DryRun:
+                        pass
                 if then is not None:
                     then()
         except Exception as e:  # the eager step runs on

@@ -33,7 +33,7 @@ def modes(ckpt: str, int4: str, schema: Path) -> dict:
         "int4": ["--checkpoint", int4, "--chat", "--prompt", "What is a KV cache?"],
         "ngram": chat + ["--ngram", "3"],
         "draft": chat + ["--draft_checkpoint", ckpt],
-        "torchrun 2 ranks": TORCHRUN + chat,  # (compiles first: ranks step in lockstep)
+        "torchrun 2 ranks": TORCHRUN + chat,
     }
 
 
@@ -90,7 +90,7 @@ def main():
     p.add_argument("--int4", default="checkpoints/smollm2-135m-int4-g32")
     p.add_argument("--max_new_tokens", type=int, default=32)
     p.add_argument("--long", type=int, default=3000, help="new tokens of the run that reaches the compiled step")
-    p.add_argument("--only", nargs="*", default=None, help="these modes only")
+    p.add_argument("--only", nargs="*", default=None, help="these modes only (--json: the file's other rows stay)")
     p.add_argument("--sharing", action="store_true",
                    help="also: the modes one after another with --wait_for_compile in one compile cache, "
                         "the graphs each compiles that the earlier ones did not")
@@ -115,7 +115,8 @@ def main():
             long = dict(mode="plain, long", new_tokens=m["new_tokens"], first_token_s=r["first_token_s"],
                         compiled_s=done, eager_steps=eager,
                         eager_tokens_per_s=round(eager / (done - r["first_token_s"]), 1) if done else None,
-                        compiled_tokens_per_s=round((m["new_tokens"] - eager) / (r["end_s"] - done), 1) if done else None)
+                        compiled_tokens_per_s=round((m["new_tokens"] - eager) / (r["end_s"] - done), 1)
+                        if done else None)
             print(json.dumps(long), flush=True)
             rows.append(long)
         if args.sharing:
@@ -124,7 +125,15 @@ def main():
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         meta = dict(date=time.strftime("%Y-%m-%d"), commit=commit.stdout.strip(), cpus=os.cpu_count(),
                     command="python -m scripts.first_token " + " ".join(sys.argv[1:]))
-        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+        for row in rows:
+            row.update(date=meta["date"], commit=meta["commit"])
+        path = Path(args.json)
+        if args.only is not None and path.exists():  # the other modes' rows stay, each with its date and commit
+            old = json.loads(path.read_text())
+            kept = [dict(r, **{k: old["meta"][k] for k in ("date", "commit") if k not in r}) for r in old["rows"]]
+            ran = {(r["mode"], r.get("shared_cache", False)) for r in rows}
+            rows = [r for r in kept if (r["mode"], r.get("shared_cache", False)) not in ran] + rows
+        path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,8 @@ def tp2(tmp_path_factory):
                       steps=STEPS, tp_mode="allreduce"))
     cases.append(dict(name="llama-compiled", checkpoint=str(ckpts["llama"]), prompts=PROMPTS_B1, steps=STEPS,
                       compile=True))
+    cases.append(dict(name="llama-compiled-aside", checkpoint=str(ckpts["llama"]), prompts=PROMPTS_B2, steps=STEPS,
+                      compile="aside"))
     # the target and its draft both sharded
     draft = save_checkpoint(random_model(seed=5, n_heads=4, n_kv_heads=2, n_layers=1), tmp / "draft")
     cases += [dict(name="uneven-draft", checkpoint=str(ckpts["uneven"]), draft=str(draft), prompts=PROMPTS_B1,
@@ -200,6 +202,18 @@ def test_tp2_compiled_decode_matches_single_process(tp2):
     case = cases["llama-compiled"]
     ref = run_case(load_model(case["checkpoint"]), case["prompts"], case["steps"])
     assert results["llama-compiled"]["tokens"].tolist() == ref["tokens"].tolist()
+
+
+def test_tp2_compiles_aside_then_takes_the_graphs_up_on_every_rank_at_once(tp2):
+    """generate.py's default under torchrun: the ranks step eagerly while a thread on each compiles
+    the step without running it (its collectives would interleave with the stepping thread's); they
+    agree to take the graphs up at the same step, and the compiled run recompiles nothing."""
+    cases, results = tp2
+    case, result = cases["llama-compiled-aside"], results["llama-compiled-aside"]
+    ref = run_case(load_model(case["checkpoint"]), case["prompts"], case["steps"])
+    assert result["eager"].tolist() == result["tokens"].tolist() == ref["tokens"].tolist()
+    eager, compiled = result["eager_steps"]
+    assert eager > 0 and compiled == 0
 
 
 @pytest.mark.parametrize("name", ["uneven-draft", "llama-ngram"])

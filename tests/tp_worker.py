@@ -30,6 +30,15 @@ def run_case(model, prompts: list, steps: int, compile: bool = False) -> dict:
     shorter row's prompt padded at its end, past its own tokens); with compile, the tokens come
     from Engine.generate's compiled decode step and the logits from prefill only."""
     B, T = len(prompts), max(len(p) for p in prompts)
+    if compile == "aside":  # eager while a thread compiles without running (compile.dry_run); then compiled
+        engine = Engine(model, B, T + steps + 1, compile=True)
+        thread = engine.warm_up(prompts, Sampling(), aside=True)
+        eager, stats = engine.generate(prompts, steps + 1, Sampling())
+        thread.join()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            outs, again = engine.generate(prompts, steps + 1, Sampling())  # the ranks agree, and take the graphs up
+        return {"tokens": torch.tensor(outs), "logits": [], "eager": torch.tensor(eager),
+                "eager_steps": (stats.eager_steps, again.eager_steps)}
     if compile:
         engine = Engine(model, B, T + steps + 1, compile=True)
         engine.warm_up(prompts, Sampling())  # compile
