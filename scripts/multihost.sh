@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several hosts on one machine: N network namespaces joined by a bridge, one command run on each.
 #
-#   scripts/multihost.sh [-n HOSTS] [-p PREFIX] [-t SECONDS] [-o DIR] -- 'COMMAND'
+#   scripts/multihost.sh [-n HOSTS] [-p PREFIX] [-t SECONDS] [-g SECONDS] [-o DIR] -- 'COMMAND'
 #
 # Makes namespaces PREFIX-h0 .. PREFIX-h<N-1> (the hosts) and PREFIX-br (a bridge, br0, in a
 # namespace of its own): host i holds one end of a veth pair, veth<i>, at 10.77.0.<i+1>/24, and
@@ -10,12 +10,14 @@
 # so that its variables expand on each host) runs on every host at once, from this directory, with
 #   HOST_RANK=i  NUM_HOSTS=N  HOST_ADDR=10.77.0.<i+1>  MASTER_ADDR=10.77.0.1 (host 0)
 #   MASTER_PORT=29400  GLOO_SOCKET_IFNAME=veth<i> (gloo's links go over the veth, not loopback)
+# Once a host's command fails, the others are ended after -g SECONDS (default 30): ranks waiting
+# for a lost host would otherwise wait out torchrun's and the collectives' timeouts.
 # Each host's stdout and stderr are printed when all have ended, each line prefixed [h<i>], and kept
 # in DIR/h<i>.out, .err, .status with -o; then one line per host gives its exit status.
 # The namespaces are removed on exit (and on Ctrl-C, SIGTERM, errors), their processes ended first;
 # a run starts by removing what an aborted run with the same PREFIX left. Needs root (ip netns).
 #
-# Exit status: 0 if every host's command exited 0, else the first failing host's status (124: it
+# Exit status: 0 if every host's command exited 0, else the status of the first to fail (124: it
 # ran past -t SECONDS, default 900); 77 where namespaces cannot be made here (one line says why);
 # 2 for a usage error.
 #
@@ -31,11 +33,11 @@
 # OMP_NUM_THREADS=1: here all the hosts share this machine's cores.
 set -uo pipefail
 
-HOSTS=2 PREFIX=minillm TIMEOUT=900 DIR=
+HOSTS=2 PREFIX=minillm TIMEOUT=900 GRACE=30 DIR=
 usage() { sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
-while getopts "n:p:t:o:h" opt; do
+while getopts "n:p:t:g:o:h" opt; do
   case $opt in
-    n) HOSTS=$OPTARG ;; p) PREFIX=$OPTARG ;; t) TIMEOUT=$OPTARG ;; o) DIR=$OPTARG ;;
+    n) HOSTS=$OPTARG ;; p) PREFIX=$OPTARG ;; t) TIMEOUT=$OPTARG ;; g) GRACE=$OPTARG ;; o) DIR=$OPTARG ;;
     h) usage ;; *) usage 2 ;;
   esac
 done
@@ -44,21 +46,28 @@ shift $((OPTIND - 1))
 COMMAND="$*"
 [[ $HOSTS =~ ^[1-9][0-9]*$ && $HOSTS -le 200 ]] || { echo "multihost.sh: -n takes 1 to 200 hosts" >&2; exit 2; }
 [[ $PREFIX =~ ^[a-z][a-z0-9-]{0,23}$ ]] || { echo "multihost.sh: -p: a short lowercase name" >&2; exit 2; }
-[[ $TIMEOUT =~ ^[0-9]+$ ]] || { echo "multihost.sh: -t takes whole seconds" >&2; exit 2; }
+[[ $TIMEOUT =~ ^[0-9]+$ && $GRACE =~ ^[0-9]+$ ]] || { echo "multihost.sh: -t, -g take whole seconds" >&2; exit 2; }
 SUBNET=10.77.0 BRIDGE=$PREFIX-br
 host() { echo "$PREFIX-h$1"; }
 
 # The namespaces that this script makes with PREFIX, from this run or an aborted one
 ours() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$PREFIX-(h[0-9]+|br)$"; }
 
-# End the processes inside our namespaces (TERM, then KILL after 5 s), then delete the namespaces;
-# a namespace lives on, unnamed, as long as a process runs in it
-teardown() {
-  local ns pids left
+# SIGTERM to every process in our namespaces
+end_hosts() {
+  local ns pids
   for ns in $(ours); do
     pids=$(ip netns pids "$ns" 2>/dev/null)
     [ -n "$pids" ] && kill -TERM $pids 2>/dev/null
   done
+}
+
+# End the processes inside our namespaces (TERM, then KILL after 5 s), then delete the namespaces;
+# a namespace lives on, unnamed, as long as a process runs in it
+teardown() {
+  local ns left
+  [ -n "${ENDER:-}" ] && kill $(pgrep -P "$ENDER") 2>/dev/null  # its sleep: it ends no later run's hosts
+  end_hosts
   for _ in $(seq 50); do
     left=$(for ns in $(ours); do ip netns pids "$ns" 2>/dev/null; done)
     [ -z "$left" ] && break
@@ -90,18 +99,25 @@ for ((i = 0; i < HOSTS; i++)); do
         ip -n "$h" link set "veth$i" up 2>&1 && ip -n "$h" link set lo up 2>&1) || cannot "$err"
 done
 
+declare -A host_of  # pid -> host
 for ((i = 0; i < HOSTS; i++)); do
   ip netns exec "$(host $i)" env HOST_RANK=$i NUM_HOSTS="$HOSTS" HOST_ADDR="$SUBNET.$((i + 1))" \
     MASTER_ADDR="$SUBNET.1" MASTER_PORT=29400 GLOO_SOCKET_IFNAME="veth$i" \
     timeout -k 10 "$TIMEOUT" bash -c "$COMMAND" >"$DIR/h$i.out" 2>"$DIR/h$i.err" </dev/null &
-  pids[i]=$!
+  host_of[$!]=$i
 done
-status=0
-for ((i = 0; i < HOSTS; i++)); do
-  wait "${pids[i]}"
+status=0 ENDER=
+while ((${#host_of[@]} > 0)); do
+  wait -n -p pid "${!host_of[@]}"
   rc=$?
+  i=${host_of[$pid]}
+  unset "host_of[$pid]"
   echo "$rc" >"$DIR/h$i.status"
-  [ "$status" -eq 0 ] && status=$rc
+  if ((rc != 0 && status == 0)); then
+    status=$rc
+    { sleep "$GRACE" && end_hosts; } >/dev/null 2>&1 &  # the others' grace
+    ENDER=$!
+  fi
 done
 for ((i = 0; i < HOSTS; i++)); do
   sed "s/^/[h$i] /" "$DIR/h$i.out"

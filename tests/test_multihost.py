@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,9 +21,9 @@ PREFIX = f"mlt{os.getpid()}"  # not the script's default, nor another test run's
 CANNOT = 77  # the script's status where namespaces cannot be made
 
 
-def multihost(command: str, prefix: str, hosts: int = 2, timeout: int = 120, out=None) -> subprocess.CompletedProcess:
+def multihost(command: str, prefix: str, *flags, hosts: int = 2, timeout: int = 120) -> subprocess.CompletedProcess:
     """The script on `hosts` hosts named prefix-h0, ..., skipping the test where it cannot make namespaces."""
-    args = ["-n", str(hosts), "-p", prefix, "-t", str(timeout)] + (["-o", str(out)] if out else [])
+    args = ["-n", str(hosts), "-p", prefix, "-t", str(timeout), *map(str, flags)]
     r = subprocess.run(["bash", SCRIPT, *args, "--", command], cwd=ROOT, capture_output=True, text=True,
                        timeout=timeout + 60)
     if r.returncode == CANNOT:
@@ -53,14 +54,17 @@ def test_each_host_has_its_own_address_and_all_are_removed():
     assert namespaces(f"{PREFIX}a") == []
 
 
-def test_a_failing_host_sets_the_status_and_leftovers_are_removed():
-    """The first failing host's status is the script's; namespaces left by an aborted run with the
-    same prefix are removed before it starts, and its own after it ends."""
+def test_a_failing_host_ends_the_others_and_leftovers_are_removed():
+    """The failing host's status is the script's, and the host still running is ended after the
+    grace (-g); namespaces left by an aborted run with the same prefix are removed before it
+    starts, and its own after it ends."""
     if not shutil.which("ip") or subprocess.run(["ip", "netns", "add", f"{PREFIX}b-h7"]).returncode != 0:
         pytest.skip("cannot make a network namespace here (ip netns add)")
-    r = multihost("exit $((HOST_RANK == 1 ? 3 : 0))", f"{PREFIX}b")
+    start = time.monotonic()
+    r = multihost("if [ $HOST_RANK = 1 ]; then exit 3; fi; sleep 100", f"{PREFIX}b", "-g", 1)
     assert r.returncode == 3, r.stderr
-    assert "host 0 (10.77.0.1): exit 0" in r.stderr and "host 1 (10.77.0.2): exit 3" in r.stderr
+    assert "host 0 (10.77.0.1): exit 143" in r.stderr and "host 1 (10.77.0.2): exit 3" in r.stderr
+    assert time.monotonic() - start < 30
     assert namespaces(f"{PREFIX}b") == []
 
 
@@ -77,7 +81,7 @@ def test_tp2_across_two_hosts_matches_single_process(smollm2_dir, tmp_path):
                 "--nnodes $NUM_HOSTS --nproc_per_node 1 --rdzv_backend c10d "
                 "--rdzv_endpoint $MASTER_ADDR:$MASTER_PORT --local_addr $HOST_ADDR "
                 "--rdzv_conf is_host=$((HOST_RANK == 0)),join_timeout=120")
-    r = multihost(f"{torchrun} generate.py {shlex.join(map(str, flags))}", f"{PREFIX}c", timeout=300, out=tmp_path)
+    r = multihost(f"{torchrun} generate.py {shlex.join(map(str, flags))}", f"{PREFIX}c", "-o", tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-5000:]
     assert (tmp_path / "h0.out").read_text() == single.stdout and len(single.stdout) > 40
     assert (tmp_path / "h1.out").read_text() == ""
