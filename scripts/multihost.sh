@@ -15,7 +15,8 @@
 # Each host's stdout and stderr are printed when all have ended, each line prefixed [h<i>], and kept
 # in DIR/h<i>.out, .err, .status with -o; then one line per host gives its exit status.
 # The namespaces are removed on exit (and on Ctrl-C, SIGTERM, errors), their processes ended first;
-# a run starts by removing what an aborted run with the same PREFIX left. Needs root (ip netns).
+# a run starts by removing what an aborted run with the same PREFIX left. Needs root (ip netns)
+# and bash 5.1 (wait -n -p).
 #
 # Exit status: 0 if every host's command exited 0, else the status of the first to fail (124: it
 # ran past -t SECONDS, default 900); 77 where namespaces cannot be made here (one line says why);
