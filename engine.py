@@ -272,7 +272,8 @@ class Engine:
         """The model's part of a step (every tensor-parallel rank runs it): the rides' wanted rows'
         logits (L, V) or, when the plan samples in the step, their tokens (L, 1); and each chunk's
         last logits (V,) (every token's (T, V) for a chunk marked so)."""
-        if self.compiling_aside and self.graphs_ready():  # (warmup.compile_aside) from here on, the graphs
+        # (warmup.compile_aside) from here on, the graphs; the ranks agree at steps every rank runs
+        if self.compiling_aside and not plan.empty() and self.graphs_ready():
             (self.rides, self.short_chunk, self.long_chunk), self.compiled_ready = self.compiled_ready, None
             self.last_rides = self.last_out = self.last_shape = None
             self.compiling_aside = False

@@ -294,10 +294,13 @@ def main(argv=None):
     check_args(args)
     tp, args.device = init_from_env(args.device, args.tp_mode)
     tokenizer, engine = load_engine(args, tp)
+    aside = args.compile and not args.wait_for_compile and engine.device.type == "cpu"
+    if aside:  # under torchrun on every rank, which take the graphs up at the same step
+        warm_up(engine, aside=True)
     if tp is not None and not lead_or_follow(engine, tp):
         return
-    if args.compile:  # CUDA graphs are recorded with the device to themselves; tensor parallelism steps in lockstep
-        warm_up(engine, aside=not args.wait_for_compile and engine.device.type == "cpu" and tp is None)
+    if args.compile and not aside:  # CUDA graphs are recorded with the device to themselves
+        warm_up(engine)
     serve(args, engine, tokenizer)
 
 

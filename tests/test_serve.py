@@ -531,6 +531,33 @@ def test_tensor_parallel_same_text(smollm2_dir, client):
         assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.slow
+def test_tensor_parallel_serves_while_compiling_then_compiled(smollm2_dir, reference):
+    """torchrun's default: every rank compiles aside without running the graphs (compile.dry_run)
+    while the eager step serves; once compiled, the ranks take the graphs up at the same step. The
+    greedy texts are the same throughout (the eager and compiled float32 steps agree here)."""
+    from scripts.bench_serve import compiling
+    needs_devices(2)
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 256,
+                             launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc_per_node=2"])
+    try:
+        tp_client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        want = [reference[False, p] for p in PROMPTS[:2]]
+        assert compiling(url)
+        for _ in range(2):  # eager, then (after the compile) compiled
+            got = [tp_client.completions.create(model="smollm2-135m", prompt=p, max_tokens=24, temperature=0)
+                   .choices[0].text for p in PROMPTS[:2]]
+            assert got == want
+            deadline = time.time() + 1200
+            while compiling(url) and time.time() < deadline:
+                time.sleep(2)
+            assert not compiling(url)
+    finally:
+        os.kill(rank0_pid(proc.pid), signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
 def rank0_pid(launcher_pid: int) -> int:
     """The torchrun worker with RANK=0 among the launcher's children (Linux /proc)."""
     for pid in map(int, open(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read().split()):
