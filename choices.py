@@ -1,10 +1,17 @@
-"""The values that flags and requests choose among, in a module without torch: generate.py checks
-its flags against them before it imports torch (seconds), and the modules that act on them take
-them from here."""
+"""The values that flags and requests choose among, in a module without torch: the command lines
+check their flags against them before they import torch (seconds), and the modules that act on
+them take them from here."""
 
 COMPILE_MODES = ("default", "regional", "max")  # compile.py
 TP_MODES = ("auto", "exact", "allreduce")  # tensor-parallel modes, tp.py
 MAX_LOGPROBS = 20  # top_logprobs per token, at most (as OpenAI)
+BLOCK_SIZE = 16  # tokens a block: the unit of prefix sharing and of allocation (engine.py, docs/design.md)
+
+# quantize.py --mode; qlayers.SCHEMES holds each mode's formats (test_quantize checks that they agree)
+QUANTIZE_MODES = ("int8", "int4", "int4-gptq")
+GROUPED_MODES = ("int4", "int4-gptq")  # int4 weights: these take --groupsize
+GPTQ_MODES = ("int4-gptq",)  # calibrated on --calibration text
+GROUPSIZES = (32, 64, 128, 256)  # the int4 kernel handles 32 and multiples of 64
 
 # the published shapes that shapes.py makes with random weights (generate.py --shape)
 SHAPES = {

@@ -26,6 +26,7 @@ import kernels
 import warmup
 from blocks import BlockManager
 from checkpoint import huge_page_zeros
+from choices import BLOCK_SIZE
 from compile import compile_chunk, compile_step, guards_skipped
 from errors import UserError, log
 from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides
@@ -37,7 +38,6 @@ from sampling import Sampling, pick_tokens, score_prompt, step_sampling
 from scheduler import Request, Scheduler, StepPlan
 from thresholds import THRESHOLDS
 
-BLOCK_SIZE = 16  # tokens a block: the unit of prefix sharing and of allocation (docs/design.md)
 ONE_SEQUENCE = "speculative decoding runs one sequence at a time: use a single prompt and --batch_size 1"
 
 

@@ -10,13 +10,13 @@ log-likelihood). Progress goes to stderr; the last line of stdout is `perplexity
 The default text is Shakespeare's Hamlet (public domain, from Project Gutenberg; about 53k
 SmolLM2 tokens), see data/README.md.
 """
-import argparse
 import math
-from pathlib import Path
 
 import errors
+import script_args
 
 if __name__ == "__main__":
+    errors.run_cli(script_args.parse_eval_args)  # a wrong flag fails now, not after torch's seconds of importing
     errors.quiet_ctrl_c()  # Ctrl-C while torch imports exits 130 as it does later
 
 import torch
@@ -32,8 +32,6 @@ from progress import Lines, progress as progress_bar
 from rope import trained_context
 from scheduler import Request
 from tokenizer import Tokenizer
-
-DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
 
 
 @torch.inference_mode()
@@ -87,35 +85,10 @@ def memory_needs(model, args, window: int, dtype) -> list:
                  "lower --window or pass --chunk", f" of {step} tokens")]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Perplexity of a checkpoint over a text file (sliding window).")
-    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory (float or quantized)")
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="UTF-8 text file (default: data/hamlet.txt)")
-    p.add_argument("--window", type=int, default=1024, help="tokens per forward pass (default 1024)")
-    p.add_argument("--stride", type=int, default=512, help="tokens between window starts (default 512)")
-    p.add_argument("--max_tokens", type=int, default=None, help="score only the text's first N tokens")
-    p.add_argument("--chunk", type=int, default=0,
-                   help="feed each window N tokens at a time through the KV cache, as decoding does "
-                        "(N <= 16 on CPU: the int8-activation kernels of quantized layers); default: whole windows")
-    p.add_argument("--extend_context", action="store_true",
-                   help="allow a --window past the model's trained context (max_position_embeddings, or what its "
-                        "RoPE scaling extends it to), with a warning")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    return p
-
-
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.window < 2 or not 1 <= args.stride <= args.window:
-        raise UserError("--window must be at least 2 and --stride between 1 and --window")
-    if args.chunk < 0:
-        raise UserError("--chunk must be 0 (whole windows) or a positive number of tokens")
-    if args.max_tokens is not None and args.max_tokens < 2:
-        raise UserError("--max_tokens must be at least 2")
-    device, dtype = parse_device(args.device), parse_dtype(args.dtype)
-    if not args.text.is_file():
-        raise UserError(f"text file {args.text} not found")
+    args = script_args.parse_eval_args(argv)
+    device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = parse_dtype(args.dtype)
     tokenizer = Tokenizer(args.checkpoint)
     config = checkpoint.read_config(args.checkpoint)
     check_vocabulary(tokenizer, config, args.checkpoint)

@@ -33,14 +33,13 @@ from torch import Tensor, nn
 import checkpoint
 import kernels
 import tp
+from choices import GROUPSIZES
 from errors import QuantizeError
 from model import Experts, Transformer, through_experts
 from packing import (bytes_to_nibbles, dequantize_int4, for_cpu_kernel, int8_byte, int8_layout, pack_int4,
                      pack_int4_rows, pack_int8_for_device, pad_columns, padded_width, tinygemm_mm, tinygemm_pack,
                      unpack_int4, unpack_int4_rows, unpack_int8, uses_tinygemm)
 from thresholds import THRESHOLDS
-
-GROUPSIZES = (32, 64, 128, 256)  # the int4 kernel handles 32 and multiples of 64
 
 
 # ---------------------------------------------------------------- the layers

@@ -11,15 +11,21 @@ load it without further flags, because config.json records the scheme.
 Decode reads every weight once per token, so fewer bytes per weight is more tokens per second.
 
 This file makes a checkpoint: the quantizers, each tied to the format it writes (`QUANTIZERS`),
-GPTQ's calibration, and the command line. The formats on disk, the table of modes (`SCHEMES`) and
-the layers that read them at load time are qlayers.py's.
+GPTQ's calibration, and the command line (its flags: script_args.py). The formats on disk, the
+table of modes (`SCHEMES`) and the layers that read them at load time are qlayers.py's.
 """
-import argparse
 import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
+
+import errors
+import script_args
+
+if __name__ == "__main__":
+    errors.run_cli(script_args.parse_quantize_args)  # a wrong flag fails now, not after torch's seconds of importing
+    errors.quiet_ctrl_c()  # Ctrl-C while torch imports exits 130 as it does later
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +33,11 @@ from torch import Tensor
 from tqdm import tqdm
 
 import checkpoint
-from errors import QuantizeError, run_cli
+from errors import QuantizeError
 from memory import Need, activation_bytes, check_memory, kv_cache_bytes, logits_bytes, weight_bytes
 from packing import nibbles_to_bytes, pad_columns
 from progress import progress as progress_bar
-from qlayers import GROUPSIZES, INT4, INT8, SCHEMES, Format, Scheme, is_experts, layer_format, linear_names, meta_model
-
-DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "data" / "macbeth.txt"
+from qlayers import INT4, INT8, SCHEMES, Format, Scheme, is_experts, layer_format, linear_names, meta_model
 
 
 def log(message: str):
@@ -294,36 +298,9 @@ def default_out(checkpoint_dir: Path, mode: str, groupsize: int) -> Path:
     return checkpoint_dir.parent / f"{checkpoint_dir.name}-{suffix}"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Quantize a float checkpoint's weights to int8 or int4; writes a new checkpoint directory.",
-        epilog="int8: symmetric per output channel. int4: asymmetric per group of --groupsize inputs, "
-               "round to nearest. int4-gptq: int4 with GPTQ error compensation, calibrated on "
-               "--calibration (default: data/macbeth.txt, public domain). The output head is int8 in "
-               "every mode. Run generate.py / eval.py on the output like on any checkpoint.")
-    p.add_argument("--checkpoint", type=Path, required=True, help="float checkpoint directory")
-    p.add_argument("--mode", required=True, help=", ".join(SCHEMES))
-    p.add_argument("--groupsize", type=int, default=32,
-                   help=f"int4: inputs per scale/zero, one of {', '.join(map(str, GROUPSIZES))}")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output directory (default: <checkpoint>-int8, -int4-g32, -int4-gptq-g32)")
-    p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, help="int4-gptq: calibration text file")
-    p.add_argument("--calibration_samples", type=int, default=32, help="int4-gptq: sequences of calibration text")
-    p.add_argument("--calibration_length", type=int, default=512, help="int4-gptq: tokens per sequence")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
-    return p
-
-
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    scheme = SCHEMES.get(args.mode)
-    if scheme is None:
-        raise QuantizeError(f"unknown --mode {args.mode!r} (choose {', '.join(SCHEMES)})")
-    if scheme.grouped and args.groupsize not in GROUPSIZES:
-        raise QuantizeError(f"--groupsize {args.groupsize} is not supported "
-                            f"(choose {', '.join(map(str, GROUPSIZES))})")
-    if scheme.gptq and not args.calibration.is_file():
-        raise QuantizeError(f"calibration file {args.calibration} not found")
+    args = script_args.parse_quantize_args(argv)
+    scheme = SCHEMES[args.mode]
     config = checkpoint.read_config(args.checkpoint)
     if config.quantization:
         raise QuantizeError(f"{args.checkpoint} is already quantized ({config.quantization.get('mode')}); "
@@ -361,4 +338,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    errors.run_cli(main)

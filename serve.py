@@ -27,9 +27,7 @@ loop.call_soon_threadsafe. Under torchrun, rank 0 serves HTTP and sends every st
 other ranks, which run the same forward passes on their shards; send SIGTERM to rank 0's process
 for a graceful stop (torchrun treats a SIGTERM of its own as a failure and ends every rank at once).
 """
-import argparse
 import gc
-import os
 import signal
 import threading
 import time
@@ -37,12 +35,18 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
+import errors
+import script_args
+
+if __name__ == "__main__":
+    errors.run_cli(script_args.parse_serve_args)  # a wrong flag fails now, not after torch's seconds of importing
+    errors.quiet_ctrl_c()  # Ctrl-C while torch imports exits 130 as it does later
+
 import torch
 
 import checkpoint
 import kernels
 import warmup
-from choices import COMPILE_MODES, TP_MODES
 from engine import BLOCK_SIZE, Engine, log
 from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype, preflight
 from errors import UserError, run_cli
@@ -72,78 +76,6 @@ def memory_needs(model, args, dtype) -> list:
                  "lower --prefill_chunk, --max_batch_size or --max_seq_length"),
             Need("oneDNN's copy of the float weights", kernels.prepack_bytes(model, parse_device(args.device), dtype)
                  if args.prepack else 0, "pass --no-prepack")]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Serve a checkpoint over an OpenAI-compatible HTTP API, "
-                                            "with continuous batching and prefix reuse.",
-                                epilog="Structured output: send response_format json_object or json_schema "
-                                       "(client.chat.completions.parse works), or the extra fields `regex` or "
-                                       "`grammar` (llguidance Lark); tools with tool_choice \"required\" or a named "
-                                       "function come back as tool_calls. Needs the checkpoint's tokenizer.json.")
-    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max_batch_size", type=int, default=16, help="requests running at once (the rows of a step)")
-    p.add_argument("--kv_cache_tokens", type=int, default=None,
-                   help="the KV cache, in tokens, that the running requests share (blocks of "
-                        f"{BLOCK_SIZE}; default: --max_batch_size x --max_seq_length)")
-    p.add_argument("--max_seq_length", type=int, default=None,
-                   help="tokens per request: prompt + output (default: 4096, or the model's trained context if shorter)")
-    p.add_argument("--extend_context", action="store_true",
-                   help="allow a --max_seq_length past the model's trained context (max_position_embeddings, or what "
-                        "its RoPE scaling extends it to), with a warning: the output usually degrades there")
-    p.add_argument("--max_waiting", type=int, default=64, help="requests queued for a slot; more get a 429")
-    p.add_argument("--prefill_chunk", type=int, default=256,
-                   help="prompt tokens prefilled per step, between decode steps")
-    p.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=True,
-                   help="CPU, float weights: keep a second copy of the weights in oneDNN's layout, for faster steps of "
-                        "many rows (--no-prepack saves that memory)")
-    p.add_argument("--prefix_reuse", action=argparse.BooleanOptionalAction, default=True,
-                   help="the prefix cache: a request uses the cached blocks of the longest beginning it shares with "
-                        "earlier requests and prefills only the rest (default: on)")
-    p.add_argument("--prompt_cache", type=Path, default=None, metavar="DIR",
-                   help="keep the prompts' KV cache blocks on disk here too: after a restart a request that "
-                        "begins like an earlier one loads them instead of computing them")
-    p.add_argument("--prompt_cache_gb", type=float, default=4.0, help="the --prompt_cache folder's size at most")
-    p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
-                   help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
-                        "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
-                        "fewer collectives, but a quantized model's text may drift from one process's; "
-                        "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32" if not torch.cuda.is_available() else "bfloat16")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile the decode step (default: on)")
-    p.add_argument("--wait_for_compile", action="store_true",
-                   help="answer only once the step is compiled (default on CPU: serve with the eager step "
-                        "at once and switch to the compiled one when it is ready; on CUDA it always waits)")
-    p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
-                   help="regional: compile one layer and reuse it for every layer, a fraction of the startup; "
-                        "max: see generate.py --help")
-    p.add_argument("--api_key", default=os.environ.get("MINILLM_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default: $MINILLM_API_KEY, or none)")
-    p.add_argument("--cors_origins", default=None, metavar="ORIGIN[,ORIGIN...]",
-                   help="let web pages from these origins (or * for any) call the API from a browser (CORS; "
-                        "default: none)")
-    p.add_argument("--model_name", default=None, help="the model id clients name (default: the checkpoint's name)")
-    p.add_argument("--shutdown_timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let running requests finish")
-    return p
-
-
-def check_args(args):
-    for name in ("max_batch_size", "max_waiting", "prefill_chunk"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name} must be at least 1")
-    if args.max_seq_length is not None and args.max_seq_length < 2:
-        raise UserError("--max_seq_length must be at least 2")
-    if args.kv_cache_tokens is not None and args.kv_cache_tokens < BLOCK_SIZE:
-        raise UserError(f"--kv_cache_tokens must be at least {BLOCK_SIZE}")
-    if not 0 < args.port < 65536:
-        raise UserError("--port must be in 1..65535")
-    if not 0 <= args.shutdown_timeout < float("inf"):
-        raise UserError("--shutdown_timeout must be a finite number of seconds >= 0")
 
 
 def check_context(args, config):
@@ -290,8 +222,10 @@ def serve(args, engine: Engine, tokenizer: Tokenizer):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    check_args(args)
+    args = script_args.parse_serve_args(argv)
+    cuda = torch.cuda.is_available()  # the defaults that depend on CUDA
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     tp, args.device = init_from_env(args.device, args.tp_mode)
     tokenizer, engine = load_engine(args, tp)
     aside = args.compile and not args.wait_for_compile and engine.device.type == "cpu"

@@ -359,6 +359,14 @@ def test_every_format_of_a_scheme_has_a_quantizer():
         assert not scheme.gptq or Q.QUANTIZERS[scheme.blocks].gptq, mode
 
 
+def test_the_modes_that_flags_are_checked_against_are_the_schemes():
+    """quantize.py checks --mode before torch imports, against choices.py's names of qlayers.SCHEMES."""
+    import choices
+    assert choices.QUANTIZE_MODES == tuple(L.SCHEMES)
+    assert set(choices.GROUPED_MODES) == {mode for mode, scheme in L.SCHEMES.items() if scheme.grouped}
+    assert set(choices.GPTQ_MODES) == {mode for mode, scheme in L.SCHEMES.items() if scheme.gptq}
+
+
 def test_a_scheme_that_this_version_does_not_make_is_refused():
     """config.json records the head's and the embedding's format: a file whose record differs from
     what its mode makes (an int4 head, say) is refused rather than loaded another way."""

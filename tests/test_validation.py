@@ -317,20 +317,41 @@ WITHOUT_TORCH = "import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.
                 "runpy.run_path(sys.argv[0], run_name='__main__')"  # `import torch` raises ImportError
 
 
-@pytest.mark.parametrize("case", ["unknown_flag", "missing_checkpoint", "flag_out_of_range"])
-def test_generate_flag_errors_come_before_torch_is_imported(smollm2_dir, tmp_path, case):
-    """generate.py with torch made unimportable: a wrong flag still gets its usual message and exit status."""
-    args, status, expected = {
-        "unknown_flag": (["--checkpoint", smollm2_dir, "--bogus"], 2, "unrecognized arguments: --bogus"),
-        "missing_checkpoint": (["--checkpoint", tmp_path / "none"], 1, "error: checkpoint directory"),
-        "flag_out_of_range": (["--checkpoint", smollm2_dir, "--max_new_tokens", "0"], 1,
-                              "error: --max_new_tokens must be at least 1"),
-    }[case]
-    r = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "generate.py", *map(str, args)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+# script -> the flags it needs beside --checkpoint; flags whose values it refuses, and the message
+FLAG_ERRORS = {
+    "generate.py": ([], {"--max_new_tokens 0": "error: --max_new_tokens must be at least 1"}),
+    "serve.py": ([], {"--port 70000": "error: --port must be in 1..65535",
+                      "--max_seq_length 1": "error: --max_seq_length must be at least 2",
+                      "--shutdown_timeout inf": "error: --shutdown_timeout must be a finite number"}),
+    "eval.py": ([], {"--stride 0": "error: --window must be at least 2 and --stride between 1 and --window",
+                     "--chunk -1": "error: --chunk must be 0"}),
+    "quantize.py": (["--mode", "int4"], {"--mode int3": "error: unknown --mode 'int3'",
+                                         "--groupsize 48": "error: --groupsize 48 is not supported"}),
+}
+
+
+def flag_error_cases():
+    """(script, flags after --checkpoint, exit status, what stderr says): an unknown flag (argparse's
+    usage error), a missing checkpoint directory, and each value out of range."""
+    for script, (needed, refused) in FLAG_ERRORS.items():
+        yield pytest.param(script, [*needed, "--bogus"], 2, "unrecognized arguments: --bogus",
+                           id=f"{script}-unknown_flag")
+        yield pytest.param(script, [*needed, "--checkpoint", "MISSING"], 1, "error: checkpoint directory",
+                           id=f"{script}-missing_checkpoint")
+        for flags, message in refused.items():
+            yield pytest.param(script, [*needed, *flags.split()], 1, message,
+                               id=f"{script}-{flags.strip('-').replace(' ', '=')}")
+
+
+@pytest.mark.parametrize("script, flags, status, expected", list(flag_error_cases()))
+def test_flag_errors_come_before_torch_is_imported(smollm2_dir, tmp_path, script, flags, status, expected):
+    """A command line with torch made unimportable: a wrong flag still gets its usual message and exit status."""
+    flags = [str(tmp_path / "none") if f == "MISSING" else f for f in flags]  # the last --checkpoint counts
+    r = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, script, "--checkpoint", str(smollm2_dir), *flags],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == status and expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     if status == 1:
-        assert_one_line_error(case, r.returncode, r.stderr, expected)
+        assert_one_line_error(script, r.returncode, r.stderr, expected)
 
 
 def test_extend_context_warns_and_runs(tiny):
