@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Generate text with a checkpoint made by convert_hf_checkpoint.py or download.py.",
         epilog="Compilation (--compile) is on by default: the compiled decode step is several times "
-               "faster, and its first run compiles (about a minute on CPU, cached on disk afterwards). "
-               "Pass --no-compile for a quick single run.")
+               "faster. On CPU the eager step prints at once while the compiled one compiles on a thread "
+               "(minutes the first time, cached on disk afterwards) and takes over when ready; "
+               "--wait_for_compile compiles first, --no-compile never.")
     add_model_args(p)
     add_sampling_args(p)
     add_speculation_args(p)
