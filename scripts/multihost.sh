@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Several hosts on one machine: N network namespaces joined by a bridge, one command run on each.
 #
-#   scripts/multihost.sh [-n HOSTS] [-p PREFIX] [-t SECONDS] [-g SECONDS] [-o DIR] -- 'COMMAND'
+#   scripts/multihost.sh [-n HOSTS] [-p PREFIX] [-d DELAY] [-t SECONDS] [-g SECONDS] [-o DIR] -- 'COMMAND'
 #
 # Makes namespaces PREFIX-h0 .. PREFIX-h<N-1> (the hosts) and PREFIX-br (a bridge, br0, in a
 # namespace of its own): host i holds one end of a veth pair, veth<i>, at 10.77.0.<i+1>/24, and
-# its loopback; the other end is a port of br0. Every link and address lives inside these
+# its loopback; the other end is a port of br0. -d DELAY (tc's syntax: 0.5ms, 2ms) delays what
+# each host sends by DELAY (netem on veth<i>, inside the host), so a link's round trip gains 2 DELAY;
+# where tc or netem is missing, one line says so and the script exits 77. Every link and address lives inside these
 # namespaces: nothing outside them is created or addressed. COMMAND (a bash command line, quoted
 # so that its variables expand on each host) runs on every host at once, from this directory, with
 #   HOST_RANK=i  NUM_HOSTS=N  HOST_ADDR=10.77.0.<i+1>  MASTER_ADDR=10.77.0.1 (host 0)
@@ -19,8 +21,8 @@
 # and bash 5.1 (wait -n -p).
 #
 # Exit status: 0 if every host's command exited 0, else the status of the first to fail (124: it
-# ran past -t SECONDS, default 900); 77 where namespaces cannot be made here (one line says why);
-# 2 for a usage error.
+# ran past -t SECONDS, default 900); 77 where namespaces cannot be made here or -d cannot delay
+# the links (one line says why); 2 for a usage error.
 #
 # Tensor parallelism over 2 hosts (generate.py, 1 rank per host, gloo):
 #   scripts/multihost.sh -n 2 -- 'OMP_NUM_THREADS=1 .venv/bin/torchrun --nnodes $NUM_HOSTS \
@@ -34,11 +36,11 @@
 # OMP_NUM_THREADS=1: here all the hosts share this machine's cores.
 set -uo pipefail
 
-HOSTS=2 PREFIX=minillm TIMEOUT=900 GRACE=30 DIR=
+HOSTS=2 PREFIX=minillm TIMEOUT=900 GRACE=30 DIR= DELAY=
 usage() { sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
-while getopts "n:p:t:g:o:h" opt; do
+while getopts "n:p:d:t:g:o:h" opt; do
   case $opt in
-    n) HOSTS=$OPTARG ;; p) PREFIX=$OPTARG ;; t) TIMEOUT=$OPTARG ;; g) GRACE=$OPTARG ;; o) DIR=$OPTARG ;;
+    n) HOSTS=$OPTARG ;; p) PREFIX=$OPTARG ;; t) TIMEOUT=$OPTARG ;; g) GRACE=$OPTARG ;; o) DIR=$OPTARG ;; d) DELAY=$OPTARG ;;
     h) usage ;; *) usage 2 ;;
   esac
 done
@@ -47,6 +49,7 @@ shift $((OPTIND - 1))
 COMMAND="$*"
 [[ $HOSTS =~ ^[1-9][0-9]*$ && $HOSTS -le 200 ]] || { echo "multihost.sh: -n takes 1 to 200 hosts" >&2; exit 2; }
 [[ $PREFIX =~ ^[a-z][a-z0-9-]{0,23}$ ]] || { echo "multihost.sh: -p: a short lowercase name" >&2; exit 2; }
+[[ -z $DELAY || $DELAY =~ ^[0-9.]+(us|ms|s)$ ]] || { echo "multihost.sh: -d: a delay such as 0.5ms" >&2; exit 2; }
 [[ $TIMEOUT =~ ^[0-9]+$ && $GRACE =~ ^[0-9]+$ ]] || { echo "multihost.sh: -t, -g take whole seconds" >&2; exit 2; }
 SUBNET=10.77.0 BRIDGE=$PREFIX-br
 host() { echo "$PREFIX-h$1"; }
@@ -80,6 +83,7 @@ teardown() {
 
 cannot() { echo "multihost.sh: cannot make network namespaces here: $*" >&2; exit 77; }
 command -v ip >/dev/null || cannot "no ip command (iproute2)"
+[ -z "$DELAY" ] || command -v tc >/dev/null || cannot "-d needs tc (iproute2)"
 teardown  # an aborted run's leftovers
 OWN_DIR=
 [ -n "$DIR" ] || { DIR=$(mktemp -d) && OWN_DIR=1; }
@@ -98,6 +102,10 @@ for ((i = 0; i < HOSTS; i++)); do
         ip -n "$BRIDGE" link set "port$i" master br0 up 2>&1 &&
         ip -n "$h" addr add "$SUBNET.$((i + 1))/24" dev "veth$i" 2>&1 &&
         ip -n "$h" link set "veth$i" up 2>&1 && ip -n "$h" link set lo up 2>&1) || cannot "$err"
+  if [ -n "$DELAY" ]; then
+    err=$(ip netns exec "$h" tc qdisc add dev "veth$i" root netem delay "$DELAY" 2>&1) ||
+      { echo "multihost.sh: cannot delay the links (tc netem): $err" >&2; exit 77; }
+  fi
 done
 
 declare -A host_of  # pid -> host
