@@ -70,12 +70,10 @@ class Proposer(ABC):
     def setup(self, max_seq_length: int):
         """Allocate what the proposer keeps per position (a draft's KV cache)."""
 
-    def warm_up(self, sampling: Sampling, host: bool = False):
-        """Run any compiled graph once before timing (host: the one that returns logits)."""
-
-    def compile_aside(self, sampling: Sampling, host: bool = False) -> Optional[Callable]:
-        """Propose eagerly from now on; the work (for a compile thread) that compiles what warm_up
-        would and hands it over, or None when there is nothing to compile."""
+    def warm_up(self, sampling: Sampling, host: bool = False) -> Optional[Callable]:
+        """Propose eagerly until the work returned (run at once, or on a compile thread) has
+        compiled any graph of the proposer's (host: the one that returns logits); the next proposal
+        takes it up. None: nothing to compile."""
         return None
 
     @abstractmethod
@@ -173,24 +171,19 @@ class DraftProposer(Proposer):
         return self.step(self.model, torch.tensor([[token]], device=self.device),
                          torch.tensor([pos], device=self.device), None).clone()
 
-    def warm_up(self, sampling: Sampling, host: bool = False):
-        for _ in range(2):  # the compiled graph runs from the second call on
-            self._logits(0, 0) if host else self._one(0, 0, sampling)
-        self.fed = []  # slot 0 now holds garbage
-
-    def compile_aside(self, sampling: Sampling, host: bool = False) -> Callable:
+    def warm_up(self, sampling: Sampling, host: bool = False) -> Callable:
         compiled, self.step = self.step, draft_one_token
 
-        def work():  # (under the compile thread's inference mode: inference tensors, as a step's inputs are)
+        def work():  # (under inference mode: inference tensors, as a step's inputs are)
             token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             pos = torch.zeros(1, dtype=torch.long, device=self.device)
-            for _ in range(2):  # as warm_up, at slot 0
+            for _ in range(2):  # the compiled graph runs from the second call on; slot 0 then holds garbage
                 compiled(self.model, token, pos, None if host else sampling)
             self.ready = compiled
         return work
 
     def take_up(self, context: list):
-        """The step compiled aside, once ready; its warm-up wrote slot 0, so the draft starts over."""
+        """The step warm_up compiled, once ready; its work wrote slot 0, so the draft starts over."""
         if self.ready is not None:
             self.step, self.ready, self.fed = self.ready, None, []
             self.start(context, None)

@@ -236,9 +236,10 @@ class SpeculativeEngine:
         if not self.compiled:
             return None
         plans, host = warmup.chunk_plans(self.engine, self.k + 1), host or constrained  # the verify's shapes
+        draft = self.proposer.warm_up(sampling, host)  # its step, taken up at the next proposal
         if aside:
-            return warmup.compile_aside(self.engine, plans, then=self.proposer.compile_aside(sampling, host))
-        warmup.compile_now(self.engine, plans, then=lambda: self.proposer.warm_up(sampling, host))
+            return warmup.compile_aside(self.engine, plans, then=draft)
+        warmup.compile_now(self.engine, plans, then=draft)
 
     @torch.inference_mode()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(),
