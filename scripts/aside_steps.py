@@ -8,11 +8,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main():
@@ -22,7 +20,6 @@ def main():
     p.add_argument("--tokens", type=int, default=900)
     args = p.parse_args()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()  # empty caches: set before torch imports
-    sys.path.insert(0, ROOT)
     import torch
     import warmup
     from engine import Engine
