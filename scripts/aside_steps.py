@@ -12,7 +12,6 @@ import tempfile
 import time
 
 
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m scripts.aside_steps")
     p.add_argument("--checkpoint", default="checkpoints/smollm2-135m")
