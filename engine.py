@@ -143,7 +143,7 @@ class Engine:
         check_memory([Need("the KV cache", need, "lower the batch size or the sequence length",
                            f" for {num_blocks * bs} tokens")], self.device)
         self.model.setup_caches(1, self.max_seq_length, num_slots=slots, window_slots=window_slots,
-                                zeros=huge_page_zeros)  # read as weights are, a step at a time
+                                zeros=huge_page_zeros, block_size=bs)  # read as weights are, a step at a time
         self.feeder = Feeder(bs, self.device, num_blocks, self.window_blocks.num_blocks if window_slots else None)
         self.last_rides = self.last_out = self.ahead = None
 

@@ -1031,13 +1031,14 @@ void attend_row(const float* q, const KV* k, const KV* v, KeyPlaces at, const fl
 
 // q (B, H, R, D) float32 with R = group * T query rows per KV head (row g * T + t is query t);
 // k, v (B, H, S, D) float32 or bfloat16, any strides with unit stride along D; mask (B, 1, T, S)
-// float32, additive. With `slots` (B, S) int64, k and v are a cache's slot pools (N, H, D), and
-// row b's key s is in slot slots[b, s] (nothing gathered). Returns (B, H, R, D) float32.
+// float32, additive. With `slots` (B, S) int64, k and v are a cache's pools of blocks
+// (N, H, block_size, D), and row b's key s is in slot slots[b, s]: row slot % block_size of block
+// slot / block_size (nothing gathered). Returns (B, H, R, D) float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                   double scale, double softcap, const c10::optional<at::Tensor>& slots) {
   const bool paged = slots.has_value();
-  TORCH_CHECK(q.dim() == 4 && mask.dim() == 4 && k.dim() == (paged ? 3 : 4) && v.sizes() == k.sizes(),
-              "attend: q and mask 4-d; k and v 4-d, or 3-d slot pools with slots");
+  TORCH_CHECK(q.dim() == 4 && mask.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "attend: q, mask, k and v 4-d");
   TORCH_CHECK(q.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat, "attend: q and mask float32");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               "attend: k and v float32 or bfloat16");
@@ -1047,9 +1048,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               mask.size(0) == B && mask.size(3) == S && R % T == 0 && (paged || k.size(0) == B) &&
               (!paged || (slots->scalar_type() == at::kLong && slots->dim() == 2 && slots->size(0) == B)),
               "attend: shapes");
-  const int64_t key_stride = paged ? k.stride(0) : k.stride(2);
+  const int64_t key_stride = k.stride(2), block_size = k.size(2);
   auto same_stride = [&](int64_t d) { return k.size(d) == 1 || k.stride(d) == v.stride(d); };  // (a size-1 dim's is moot)
-  TORCH_CHECK(same_stride(0) && same_stride(1) && (paged || same_stride(2)), "attend: k and v strides");
+  TORCH_CHECK(same_stride(0) && same_stride(1) && same_stride(2), "attend: k and v strides");
   at::Tensor sc = paged ? slots->contiguous() : at::Tensor();
   // offsets(b, off): where row b's key s starts, in elements from the pool (or the row), for k and v
   // alike, filled by the thread that takes the row; false if a slot is outside the pool
@@ -1059,11 +1060,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       return true;
     }
     const int64_t* sp = sc.data_ptr<int64_t>() + b * S;
-    const int64_t pool = k.size(0);
+    const int64_t pool = k.size(0) * block_size;
     bool inside = true;
     for (int64_t s = 0; s < S; ++s) {
       inside &= sp[s] >= 0 && sp[s] < pool;
-      off[s] = sp[s] * key_stride;
+      off[s] = sp[s] / block_size * k.stride(0) + sp[s] % block_size * key_stride;
     }
     return inside;
   };

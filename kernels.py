@@ -346,7 +346,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap:
            slots: Optional[Tensor] = None) -> Tensor:
     """Attention of a few query rows per KV head over the keys their additive mask allows:
     q (B, H, group * T, D) (row g * T + t is query t), k and v (B, H, S, D) float32 or bfloat16,
-    or with slots (B, S) a cache's slot pools (N, H, D) of which row b's key s is in slot
+    or with slots (B, S) a cache's pools of blocks (N, H, block_size, D) of which row b's key s is in slot
     slots[b, s] (no copy); mask (B, 1, T, S). softmax(scale * q k^T, soft-capped when softcap > 0,
     + mask) v, float32."""
     if k.stride() != v.stride():  # the kernel reads key j and value j at one offset
@@ -475,7 +475,7 @@ class CpuAttention(Attention):
 
     def kernel_attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, slots: Optional[Tensor] = None) -> Tensor:
         """`attend` over k and v (B, n_kv_heads, S, head_dim), or with slots (B, S) over a cache's
-        slot pools (N, n_kv_heads, head_dim)."""
+        pools of blocks (N, n_kv_heads, block_size, head_dim)."""
         B, n_heads, T, head_dim = q.shape
         # each KV head's query group folded into the query length, as model.Attention does
         q_groups = q.reshape(B, k.shape[1], -1, head_dim)  # (B, n_kv_heads, group * T, head_dim)

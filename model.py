@@ -194,24 +194,45 @@ class ForwardBatch:
 
 
 class KVCache(nn.Module):
-    """One layer's keys and values: a pool of slots (num_slots, n_kv_heads, head_dim), written and
-    read through a ForwardBatch's slots and block tables."""
+    """One layer's keys and values: num_slots slots in blocks of block_size, held as (blocks,
+    n_kv_heads, block_size, head_dim) so that a head's keys in a block lie side by side; slot s is
+    row s % block_size of block s // block_size. Written and read through a ForwardBatch's slots."""
 
-    def __init__(self, num_slots: int, n_kv_heads: int, head_dim: int, dtype, device=None, zeros=torch.zeros):
+    def __init__(self, num_slots: int, n_kv_heads: int, head_dim: int, dtype, device=None, zeros=torch.zeros,
+                 block_size: Optional[int] = None):
         super().__init__()
-        shape = (num_slots, n_kv_heads, head_dim)
+        block_size = block_size or num_slots
+        assert num_slots % block_size == 0, f"{num_slots} slots are not whole blocks of {block_size}"
+        shape = (num_slots // block_size, n_kv_heads, block_size, head_dim)
         self.register_buffer("k_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def at(self, slots: Tensor) -> tuple:
+        """The index of slots (any shape) into a pool: keys[at(slots)] is (*slots.shape, n_kv_heads, head_dim)."""
+        block_size = self.k_cache.shape[2]
+        return slots // block_size, slice(None), slots % block_size
+
+    def get(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values of slots (N,): (N, n_kv_heads, head_dim) each, copied."""
+        where = self.at(slots)
+        return self.k_cache[where], self.v_cache[where]
+
+    def put(self, slots: Tensor, k: Tensor, v: Tensor):
+        """k, v (N, n_kv_heads, head_dim) to slots (N,)."""
+        where = self.at(slots)
+        self.k_cache[where] = k
+        self.v_cache[where] = v
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor):
         """k, v (B, n_kv_heads, T, head_dim) to slots (B, T)."""
         flat = slots.reshape(-1)
-        self.k_cache.index_copy_(0, flat, k.transpose(1, 2).reshape(flat.shape[0], *k.shape[1::2]))
-        self.v_cache.index_copy_(0, flat, v.transpose(1, 2).reshape(flat.shape[0], *v.shape[1::2]))
+        self.put(flat, k.transpose(1, 2).reshape(flat.shape[0], *k.shape[1::2]),
+                 v.transpose(1, 2).reshape(flat.shape[0], *v.shape[1::2]))
 
     def read(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values of slots context (B, S): (B, n_kv_heads, S, head_dim) each, copied."""
-        return self.k_cache[context].transpose(1, 2), self.v_cache[context].transpose(1, 2)
+        k, v = self.get(context)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
 
 class RMSNorm(nn.Module):
@@ -482,11 +503,13 @@ class Transformer(nn.Module):
         self.regional = False  # under torch.compile: compile one layer and reuse it (block_region)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None,
-                     num_slots: Optional[int] = None, window_slots: Optional[int] = None, zeros=torch.zeros):
+                     num_slots: Optional[int] = None, window_slots: Optional[int] = None, zeros=torch.zeros,
+                     block_size: Optional[int] = None):
         """Preallocate every layer's slot pool, num_slots of them (default max_batch_size *
         max_seq_length: ForwardBatch.rows' layout, row b from slot b * max_seq_length), or for
         sliding-window layers window_slots when they have pools of their own, each from
-        zeros(shape, dtype=, device=); call again to resize (the old contents are lost)."""
+        zeros(shape, dtype=, device=), in blocks of block_size slots (default a row's); call again to
+        resize (the old contents are lost)."""
         dtype = dtype or self.norm.weight.dtype  # norms stay float in quantized models too
         device = device or self.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
@@ -497,7 +520,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             a = layer.attention
             slots = window_slots if a.sliding and window_slots else self.num_slots
-            a.kv_cache = KVCache(slots, a.n_kv_heads, a.head_dim, dtype, device, zeros)
+            a.kv_cache = KVCache(slots, a.n_kv_heads, a.head_dim, dtype, device, zeros, block_size or max_seq_length)
 
     def masks(self, positions: Tensor, kv_len: int, dtype: torch.dtype,
               sdpa_causal: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -45,7 +46,11 @@ class PromptStore:
         self.folder = Path(folder) / name
         self.folder.mkdir(parents=True, exist_ok=True)
         self.pools, self.block_size, self.max_bytes = pools, block_size, max_bytes
-        self.shapes = [(block_size, *p.k_cache.shape[1:]) for p in pools]
+        self.shapes = [(block_size, p.k_cache.shape[1], p.k_cache.shape[3]) for p in pools]  # (slots, heads, head_dim)
+
+    def slots(self, block: int):
+        device = self.pools[0].k_cache.device
+        return torch.arange(block * self.block_size, (block + 1) * self.block_size, device=device)
 
     def path(self, key: bytes) -> Path:
         return self.folder / f"{key.hex()}.safetensors"
@@ -65,10 +70,9 @@ class PromptStore:
         except (OSError, SafetensorError, KeyError, ValueError) as e:
             print(f"warning: prompt cache file {path} skipped ({type(e).__name__}: {e})", file=sys.stderr)
             return False
-        slots = slice(block * self.block_size, (block + 1) * self.block_size)
+        slots = self.slots(block)
         for pool, (k, v) in zip(self.pools, parts):
-            pool.k_cache[slots] = k.to(pool.k_cache.dtype)
-            pool.v_cache[slots] = v.to(pool.v_cache.dtype)
+            pool.put(slots, k.to(pool.k_cache.dtype), v.to(pool.v_cache.dtype))
         os.utime(path)  # recently used: the last to go
         return True
 
@@ -77,11 +81,10 @@ class PromptStore:
         path = self.path(key)
         if path.exists():
             return
-        slots = slice(block * self.block_size, (block + 1) * self.block_size)
-        tensors = {}
+        slots, tensors = self.slots(block), {}
         for i, pool in enumerate(self.pools):
-            tensors[f"k.{i}"] = pool.k_cache[slots].contiguous().cpu()
-            tensors[f"v.{i}"] = pool.v_cache[slots].contiguous().cpu()
+            k, v = pool.get(slots)
+            tensors[f"k.{i}"], tensors[f"v.{i}"] = k.cpu(), v.cpu()
         tmp = path.with_suffix(".tmp")
         try:
             save_file(tensors, tmp)

@@ -33,7 +33,11 @@ if paged:
     except ImportError:  # a checkout whose pools are on 4 kB pages
         zeros = torch.zeros
     blocks = 16 * 25 + 1
-    pools = [tuple(zeros((blocks * 16, H, D), dtype=torch.float32, device="cpu").normal_() for _ in "kv") for _ in range(L)]
+    pools = [tuple(zeros((blocks, H, 16, D), dtype=torch.float32, device="cpu").normal_() for _ in "kv") for _ in range(L)]
+    try:  # pools of blocks (N, H, 16, D); a checkout before them keeps (slots, H, D)
+        kernels.attend(torch.zeros(1, H, G, D), *pools[0], torch.zeros(1, 1, 1, 16), 0.125, 0.0, torch.zeros(1, 16, dtype=torch.long))
+    except RuntimeError:
+        pools = [(k.view(-1, H, D), v.view(-1, H, D)) for k, v in pools]
     tables = torch.randperm(blocks)[:16 * 25].view(16, 25)
     row_slots = (tables.unsqueeze(-1) * 16 + torch.arange(16)).flatten(1)[:, :S]
 else:

@@ -77,7 +77,7 @@ def paged_against_alone(paged, alone, chunks: list, lead: int = 5) -> tuple[floa
     device = paged.norm.weight.device
     S = lead + sum(chunks)
     table, num_blocks = scattered_tables(2, -(-S // BLOCK))
-    paged.setup_caches(1, S, num_slots=num_blocks * BLOCK)
+    paged.setup_caches(1, S, num_slots=num_blocks * BLOCK, block_size=BLOCK)
     ref = [alone, copy.deepcopy(alone)]  # a cache for each sequence
     for m in ref:
         m.setup_caches(1, S)

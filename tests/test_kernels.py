@@ -160,9 +160,9 @@ def reference_attention(q, k, v, mask, scale: float, softcap: float):
 
 
 def paged_pools(k: torch.Tensor, v: torch.Tensor, block: int, g: torch.Generator) -> tuple:
-    """Rows k and v (B, H, S, D) stored in slot pools (N, H, D), each row's positions in blocks of
-    `block` slots scattered at random over the pool (blocks that no row holds are NaN), as an
-    engine's cache holds them: (k_pool, v_pool, slots (B, S): the slot of each row's position)."""
+    """Rows k and v (B, H, S, D) stored in pools of blocks (N, H, block, D), each row's positions in
+    blocks scattered at random over the pool (blocks that no row holds are NaN), as an engine's
+    cache holds them: (k_pool, v_pool, slots (B, S): the slot of each row's position)."""
     B, H, S, D = k.shape
     per_row = -(-S // block)
     num_blocks = B * per_row + 3
@@ -171,8 +171,8 @@ def paged_pools(k: torch.Tensor, v: torch.Tensor, block: int, g: torch.Generator
     slots = table[:, positions // block] * block + positions % block  # (B, S)
     pools = []
     for x in (k, v):
-        pool = torch.full((num_blocks * block, H, D), float("nan"), dtype=x.dtype)
-        pool[slots.flatten()] = x.transpose(1, 2).reshape(B * S, H, D)
+        pool = torch.full((num_blocks, H, block, D), float("nan"), dtype=x.dtype)
+        pool[slots // block, :, slots % block] = x.transpose(1, 2)
         pools.append(pool)
     return *pools, slots
 
@@ -206,7 +206,8 @@ def test_attend_matches_float64_and_gives_each_row_its_bits_alone(G, T, D, kv_dt
         out = kernels.attend(q, k_pool, v_pool, mask, 0.3, softcap, slots)
         want = reference_attention(q, k, v, mask, 0.3, softcap)
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
-        gathered = kernels.attend(q, k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2), mask, 0.3, softcap)
+        k_rows, v_rows = (pool[slots // 16, :, slots % 16].transpose(1, 2) for pool in (k_pool, v_pool))
+        gathered = kernels.attend(q, k_rows, v_rows, mask, 0.3, softcap)
         assert torch.equal(gathered, out), softcap
         for b in range(B):
             for h in range(H):
@@ -264,7 +265,7 @@ def test_the_build_line_only_when_it_builds():
 def test_attend_refuses_a_slot_outside_its_pool():
     if not kernels.available():
         pytest.fail("the kernels could not be built here")
-    q, pool, mask = torch.randn(2, 1, 1, 16), torch.randn(32, 1, 16), torch.zeros(2, 1, 1, 4)
+    q, pool, mask = torch.randn(2, 1, 1, 16), torch.randn(8, 1, 4, 16), torch.zeros(2, 1, 1, 4)
     for bad in (32, -1):
         slots = torch.tensor([[0, 1, 2, 3], [4, 5, bad, 7]])
         with pytest.raises(RuntimeError, match="slot out of range"):

@@ -187,7 +187,7 @@ def test_the_engines_kv_pools_are_zeros_on_huge_pages():
     model = random_model()
     engine = Engine.for_serving(model, 4, 2048, kv_tokens=20000)  # 2.6 MB a pool
     pool = model.layers[0].attention.kv_cache.k_cache
-    assert pool.shape == (engine.blocks.num_blocks * 16 + 16, 2, 16) and not pool.any()
+    assert pool.shape == (engine.blocks.num_blocks + 1, 2, 16, 16) and not pool.any()
     assert pool.nbytes > checkpoint.HUGE_PAGE and pool.data_ptr() % checkpoint.HUGE_PAGE == 0
     big = checkpoint.huge_page_zeros((3 * checkpoint.HUGE_PAGE // 8 + 5, 2), torch.float32, "cpu")
     assert big.shape == (3 * checkpoint.HUGE_PAGE // 8 + 5, 2) and not big.any()

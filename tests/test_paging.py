@@ -226,7 +226,7 @@ def test_paged_attention_equals_contiguous_rows_in_float64():
     tokens = torch.randint(0, 256, (2, 12), device=TEST_DEVICE)
     model.setup_caches(2, 48)
     want = model(tokens, torch.arange(12, device=TEST_DEVICE))
-    model.setup_caches(1, 48, num_slots=64)
+    model.setup_caches(1, 48, num_slots=64, block_size=4)
     table = torch.tensor([[9, 2, 14], [1, 12, 5]], device=TEST_DEVICE)
     positions = torch.arange(12, device=TEST_DEVICE).expand(2, -1)
     slots = table.gather(1, positions // 4) * 4 + positions % 4

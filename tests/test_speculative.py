@@ -207,7 +207,7 @@ def keys_and_values(model, slots: list) -> list:
     """Every layer's keys and values at the KV cache's slots: (len(slots), n_kv_heads, head_dim) each."""
     index = torch.tensor(slots, dtype=torch.long)
     caches = [layer.attention.kv_cache for layer in model.layers]
-    return [pool[index] for c in caches for pool in (c.k_cache, c.v_cache)]
+    return [pool for c in caches for pool in c.get(index)]
 
 
 def logits_after_prefix_cache(engine, context) -> tuple:
