@@ -1,0 +1,214 @@
+"""Pipeline parallelism: `--pp N` under torchrun splits the layers into N stages, each rank holding
+one stage's layers (the embedding on the first, the final norm and the head on the last), reading
+only their weights from the checkpoint and keeping a KV cache for them alone.
+
+    torchrun --standalone --nproc_per_node=2 generate.py --checkpoint checkpoints/smollm2-135m --pp 2 --prompt "Hi"
+
+It combines with tensor parallelism: world = tp x pp, and rank = stage * tp + tp_rank, so each
+stage's tp ranks are consecutive and form that stage's own tensor-parallel group (tp.py shards the
+stage's layers over it). Rank r of one stage hands its hidden states to rank r of the next.
+
+Every rank runs every step, as under tensor parallelism (the same plans, in the same order): the
+first stage embeds the tokens and runs its layers, each stage sends its output (B, T, dim) to the
+next, and the last stage computes the logits and broadcasts them to its rank of every stage, so
+that every rank samples the same tokens and every engine's scheduler stays in lockstep. A step
+therefore runs the stages in turn: a stage waits while the others compute.
+
+The exchanges are broadcasts in groups of two ranks (one stage's rank and the next's) and in each
+pipe (a tp_rank's rank of every stage), through functional collectives that torch.compile traces
+into the compiled step as it does tp.py's, so the compiled step needs no graph break.
+"""
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+import tp as tensor_parallel
+from errors import UserError
+from model import Transformer
+from tp import TensorParallel, split_evenly
+
+
+@dataclass
+class Stage:
+    """This rank's place in the pipeline, and the groups (by name) it exchanges activations in."""
+    index: int  # 0 .. stages - 1
+    stages: int
+    tp_rank: int  # within the stage's tensor-parallel group
+    tp_size: int
+    tp_group: str  # the stage's ranks
+    prev: Optional[str]  # this rank and the previous stage's rank of the same tp_rank (it sends)
+    next: Optional[str]  # this rank and the next stage's (this rank sends)
+    pipe: str  # this tp_rank's rank of every stage, in stage order: the last one sends the logits
+    first_layer: int = 0  # set by shard_modules from the model's layer count
+    n_layers: int = 0
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+    # ---------------------------------------------------------------- the stage's part of the model
+
+    def shard_modules(self, model: Transformer):
+        """On the meta-device model: keep this stage's layers (and the embedding on the first, the
+        head on the last), and make its forward the stage's (StageTransformer)."""
+        args = model.args
+        if args.n_layers < self.stages:
+            raise UserError(f"--pp {self.stages}: the model has only {args.n_layers} layers, fewer than the stages")
+        if len({layer.attention.sliding for layer in model.layers}) > 1:
+            # each engine sizes its sliding-window pools by the kinds of layers it holds: the stages' would differ
+            raise UserError("--pp does not split a model that mixes sliding-window and full-attention layers")
+        self.first_layer, self.n_layers = split_evenly(args.n_layers, self.stages, self.index)
+        model.layers = nn.ModuleList(list(model.layers)[self.first_layer:self.first_layer + self.n_layers])
+        tied = args.tie_word_embeddings
+        if not self.first and not (self.last and tied):  # a tied head's weight is the embedding's
+            model.tok_embeddings = None
+        if not self.last:
+            model.output = None
+        model.args = dataclasses.replace(args, tie_word_embeddings=tied and self.last)
+        model.__class__ = StageTransformer
+        model.stage = self
+
+    def local_name(self, name: str, held: set) -> Optional[str]:
+        """A checkpoint tensor's name in this stage's model (its layers numbered from 0), or None
+        when the stage does not hold it; held: the stage's top-level modules."""
+        part, _, rest = name.partition(".")
+        if part == "layers":
+            index, _, tail = rest.partition(".")
+            if not index.isdigit():
+                return name  # not a layer's: the checkpoint's names are checked as usual
+            local = int(index) - self.first_layer
+            return f"layers.{local}.{tail}" if 0 <= local < self.n_layers else None
+        return name if part in held or part not in ("tok_embeddings", "output") else None
+
+    # ---------------------------------------------------------------- the exchanges
+
+    def receive(self, shape: tuple, dtype: torch.dtype, device) -> Tensor:
+        """The previous stage's output."""
+        return funcol.wait_tensor(funcol.broadcast(torch.empty(shape, dtype=dtype, device=device), 0, self.prev))
+
+    def send(self, x: Tensor):
+        # waited on here: an unused collective's result could otherwise be dropped from a compiled graph
+        funcol.wait_tensor(funcol.broadcast(x.contiguous(), 0, self.next))
+
+    def share(self, logits: Tensor) -> Tensor:
+        """The last stage's logits, on every stage."""
+        return funcol.wait_tensor(funcol.broadcast(logits.contiguous(), self.stages - 1, self.pipe))
+
+
+class StageTransformer(Transformer):
+    """A Transformer that holds one stage's layers (Stage.shard_modules makes it): its forward takes
+    the previous stage's hidden states in place of the embedding, hands its own to the next, and
+    returns the last stage's logits, which every stage receives."""
+    stage: Stage
+
+    def forward(self, tokens: Tensor, batch) -> Tensor:
+        batch = self.forward_batch(tokens, batch)
+        stage, (B, T) = self.stage, tokens.shape
+        if stage.first:
+            x = self.embed(tokens)
+        else:
+            x = stage.receive((B, T, self.args.dim), self.norm.weight.dtype, tokens.device)  # (B, T, dim)
+        x = self.blocks(x, batch, batch.last if stage.last else None)  # the next stage needs every token
+        if stage.last:
+            return stage.share(self.head(x, batch))
+        stage.send(x)
+        rows = B if batch.logit_rows is None else batch.logit_rows.shape[0]
+        return stage.share(x.new_empty(rows, T if batch.last is None else 1, self.args.vocab_size, dtype=torch.float32))
+
+
+class StageFile:
+    """A checkpoint file (safetensors' safe_open) as one stage reads it: its layers' tensors under
+    the stage's layer numbers, the embedding and head where it holds them, and no other tensor."""
+
+    def __init__(self, f, stage: Stage, held: set):
+        self.f = f
+        self.names = {}  # the stage's name -> the file's
+        for name in f.keys():
+            local = stage.local_name(name, held)
+            if local is not None:
+                self.names[local] = name
+
+    def keys(self):
+        return list(self.names)
+
+    def get_slice(self, name: str):
+        return self.f.get_slice(self.names[name])
+
+    def get_tensor(self, name: str) -> Tensor:
+        return self.f.get_tensor(self.names[name])
+
+
+class StageParallel(TensorParallel):
+    """A rank of a pipeline stage: tp.py's tensor parallelism over the stage's own group (its shard of
+    the stage's layers), and agreement (a failed load, the seed, the metrics) over every rank."""
+
+    def __init__(self, stage: Stage, device="cpu", mode: str = "auto"):
+        super().__init__(stage.tp_rank, stage.tp_size, stage.tp_group, device=device, mode=mode)
+        self.stage = stage
+        self.held: set = set()  # the stage model's top-level modules, set by shard_modules
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+    def shard_modules(self, model: nn.Module):
+        self.stage.shard_modules(model)
+        self.held = {name for name, module in model.named_children() if module is not None}
+        super().shard_modules(model)
+
+    def view(self, f) -> StageFile:
+        return StageFile(f, self.stage, self.held)
+
+    def rank_metrics(self, metrics: dict, model: nn.Module) -> dict:
+        out = super().rank_metrics(metrics, model)
+        out.update(pp_stages=self.stage.stages, layers_per_rank=self.gather(len(model.layers)))
+        return out
+
+
+def init_from_env(device: str = "cpu", mode: str = "auto", stages: int = 1) -> tuple[Optional[TensorParallel], str]:
+    """tp.init_from_env, and with stages > 1 this rank's StageParallel in place of its TensorParallel."""
+    tp, device = tensor_parallel.init_from_env(device, mode)
+    if stages == 1:
+        return tp, device
+    if tp is None:
+        raise UserError(f"--pp {stages} runs under torchrun, with a multiple of {stages} ranks (world = tp x pp)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % stages:
+        raise UserError(f"--pp {stages} does not divide the {world} ranks torchrun started (world = tp x pp)")
+    return StageParallel(make_stage(rank, world, stages), device, mode), device
+
+
+def make_stage(rank: int, world: int, stages: int) -> Stage:
+    """This rank's Stage; every rank creates every group, in the same order (dist.new_group's rule)."""
+    width = world // stages  # tp: ranks per stage
+    index, tp_rank = divmod(rank, width)
+    names = {}
+
+    def group(key, ranks: list):
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            names[key] = g.group_name
+
+    for s in range(stages):
+        group(("tp", s), [s * width + r for r in range(width)])
+    for s in range(stages - 1):
+        for r in range(width):
+            group(("pair", s), [s * width + r, (s + 1) * width + r])
+    for r in range(width):
+        group("pipe", [s * width + r for s in range(stages)])
+    return Stage(index, stages, tp_rank, width, names[("tp", index)], names.get(("pair", index - 1)),
+                 names.get(("pair", index)), names["pipe"])
+
+
+def leads() -> bool:
+    """Whether this process writes the run's files: a lone process, or torchrun's rank 0."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
