@@ -1,0 +1,105 @@
+"""Pipeline parallelism (pipeline.py) on CPU with gloo: generate.py --pp under torchrun against one
+process, on SmolLM2-135M (30 layers, a tied head), float32 and int8; the stage split itself is
+checked in one process.
+
+Run: python -m pytest -q tests/test_pipeline.py
+"""
+import json
+
+import pytest
+import torch
+
+import checkpoint
+from conftest import run_script
+from loading import meta_model
+from memory import weight_bytes
+from pipeline import Stage, StageFile
+from test_tp import job_log, torchrun
+
+INT8 = "checkpoints/smollm2-135m-int8"
+FLAGS = ["--prompt", "The capital of France is", "--max_new_tokens", 16]
+
+
+def single_process_text(ckpt, *extra) -> str:
+    r = run_script("generate.py", "--checkpoint", ckpt, *FLAGS, "--no-compile", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(r.stdout) > 20
+    return r.stdout
+
+
+def stage(index: int, stages: int = 2) -> Stage:
+    return Stage(index, stages, 0, 1, "tp", None, None, "pipe")
+
+
+def test_stages_hold_their_layers_and_the_ends(smollm2_dir):
+    """30 layers in 3 stages: 10 each, the embedding on the first, the norm on every one (its
+    weight gives the dtype), the tied head (the embedding's table) on the last; each stage's
+    checkpoint view names exactly what its model loads, its layers numbered from 0."""
+    config = checkpoint.read_config(smollm2_dir)
+    from safetensors import safe_open
+    with safe_open(smollm2_dir / "model.safetensors", framework="pt") as f:
+        for index in range(3):
+            model, s = meta_model(config), stage(index, 3)
+            s.shard_modules(model)
+            assert len(model.layers) == 10 and s.first_layer == 10 * index
+            held = {name for name, m in model.named_children() if m is not None}
+            assert ("tok_embeddings" in held) == (index in (0, 2)) and ("output" in held) == (index == 2)
+            assert model.args.tie_word_embeddings == (index == 2)
+            view = StageFile(f, s, held)
+            assert set(view.keys()) == set(checkpoint.expected_shapes(model))
+            assert view.names["layers.0.attention.wqkv.weight"] == f"layers.{10 * index}.attention.wqkv.weight"
+
+
+def test_too_many_stages_are_refused(smollm2_dir):
+    config = checkpoint.read_config(smollm2_dir)
+    with pytest.raises(Exception, match="only 30 layers"):
+        stage(0, 31).shard_modules(meta_model(config))
+
+
+@pytest.mark.parametrize("ckpt", ["float32", "int8"])
+def test_pp2_text_is_single_process_text(smollm2_dir, tmp_path, ckpt):
+    """Two stages of 15 layers print one process's greedy text, once; each rank holds its layers and
+    its end of the model: the two together hold the whole model and the tied table once more."""
+    path = smollm2_dir if ckpt == "float32" else INT8
+    metrics = tmp_path / "m.json"
+    r = torchrun(2, "generate.py", "--checkpoint", path, *FLAGS, "--no-compile", "--pp", 2,
+                 "--metrics_json", metrics, timeout=300)
+    assert r.returncode == 0, job_log(r)
+    assert r.stdout == single_process_text(path)
+    assert r.stderr.count("decode ") == 1  # only rank 0 logs
+    (m,) = json.loads(metrics.read_text())
+    assert m["pp_stages"] == 2 and m["layers_per_rank"] == [15, 15]
+    if ckpt == "float32":
+        config = checkpoint.read_config(smollm2_dir)
+        whole, table = weight_bytes(meta_model(config), torch.float32), config.vocab_size * config.dim * 4
+        norm = config.dim * 4  # every stage keeps the final norm's weight
+        assert sum(m["weight_bytes_per_rank"]) == whole + table + norm
+        for held in m["weight_bytes_per_rank"]:
+            assert abs(held - (whole + table) / 2) < 0.01 * whole
+
+
+def test_pp2_compiled_text_is_single_process_text(smollm2_dir):
+    """The default compiled step, its exchanges traced into the graph: one process's text."""
+    r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, *FLAGS, "--pp", 2, "--wait_for_compile", timeout=300)
+    assert r.returncode == 0, job_log(r)
+    assert r.stdout == single_process_text(smollm2_dir)
+
+
+def test_tp2_pp2_text_is_single_process_text(smollm2_dir, tmp_path):
+    """4 ranks: 2 stages, each split over its own 2 tensor-parallel ranks."""
+    metrics = tmp_path / "m.json"
+    r = torchrun(4, "generate.py", "--checkpoint", INT8, *FLAGS, "--no-compile", "--pp", 2,
+                 "--metrics_json", metrics, timeout=300)
+    assert r.returncode == 0, job_log(r)
+    assert r.stdout == single_process_text(INT8)
+    (m,) = json.loads(metrics.read_text())
+    assert m["tp_world_size"] == 2 and m["pp_stages"] == 2 and len(m["weight_bytes_per_rank"]) == 4
+
+
+def test_inconsistent_sizes_are_refused_in_one_line(smollm2_dir):
+    r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, "--pp", 3, "--no-compile", timeout=120)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: --pp 3 does not divide the 2 ranks torchrun started (world = tp x pp)"]
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--pp", 2, "--no-compile")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: --pp 2 runs under torchrun")
