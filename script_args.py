@@ -61,6 +61,8 @@ def add_serve_running_args(p):
                         "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
                         "fewer collectives, but a quantized model's text may drift from one process's; "
                         "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
+    p.add_argument("--pp", type=int, default=1, metavar="N",
+                   help="under torchrun: N pipeline stages, as generate.py --pp (pipeline.py); rank 0 serves")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: bfloat16 where there is CUDA, else float32)")
@@ -94,6 +96,10 @@ def check_serve_args(args):
         raise UserError("--port must be in 1..65535")
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise UserError("--shutdown_timeout must be a finite number of seconds >= 0")
+    if args.pp < 1:
+        raise UserError("--pp must be at least 1")
+    if args.pp > 1 and args.prompt_cache is not None:
+        raise UserError("--pp runs without --prompt_cache")
     require_dir(args.checkpoint)
 
 

@@ -21,7 +21,8 @@ FLAGS = ["--prompt", "The capital of France is", "--max_new_tokens", 16]
 
 
 def single_process_text(ckpt, *extra) -> str:
-    r = run_script("generate.py", "--checkpoint", ckpt, *FLAGS, "--no-compile", *extra)
+    flags = FLAGS if "--prompt" not in extra else FLAGS[2:]
+    r = run_script("generate.py", "--checkpoint", ckpt, *flags, "--no-compile", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(r.stdout) > 20
     return r.stdout
@@ -103,3 +104,31 @@ def test_inconsistent_sizes_are_refused_in_one_line(smollm2_dir):
     assert errors == ["error: --pp 3 does not divide the 2 ranks torchrun started (world = tp x pp)"]
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--pp", 2, "--no-compile")
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: --pp 2 runs under torchrun")
+
+
+def test_pp2_serves_generate_text(smollm2_dir):
+    """serve.py --pp 2: rank 0 serves, rank 1 follows its plans; two requests at once (one step
+    of both rows) get generate.py's greedy texts."""
+    import concurrent.futures
+    import os
+    import signal
+    import sys
+
+    import openai
+    from test_serve import API_KEY, rank0_pid, start_server
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    want = [single_process_text(smollm2_dir, "--prompt", p)[:-1] for p in prompts]
+    proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 256, "--no-compile", "--pp", 2,
+                             launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc_per_node=2"])
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+        def complete(p):
+            return client.completions.create(model="smollm2-135m", prompt=p, max_tokens=16, temperature=0).choices[0].text
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(complete, prompts)) == want
+    finally:  # torchrun treats a SIGTERM of its own as a failure: stop rank 0, the others follow it
+        os.kill(rank0_pid(proc.pid), signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
