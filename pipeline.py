@@ -28,7 +28,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 import tp as tensor_parallel
-from errors import UserError
+from errors import TPError, UserError
 from model import Transformer
 from tp import TensorParallel, split_evenly
 
@@ -167,6 +167,12 @@ class StageParallel(TensorParallel):
 
     def view(self, f) -> StageFile:
         return StageFile(f, self.stage, self.held)
+
+    def read(self, f: StageFile, name: str) -> Tensor:
+        try:
+            return super().read(f, name)
+        except TPError as e:  # named as the checkpoint names it, not by the stage's layer numbers
+            raise TPError(str(e).replace(name, f.names[name], 1)) from None
 
     def rank_metrics(self, metrics: dict, model: nn.Module) -> dict:
         out = super().rank_metrics(metrics, model)

@@ -132,3 +132,21 @@ def test_pp2_serves_generate_text(smollm2_dir):
     finally:  # torchrun treats a SIGTERM of its own as a failure: stop rank 0, the others follow it
         os.kill(rank0_pid(proc.pid), signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_pp2_bad_weight_ends_the_job_with_one_message(smollm2_dir, tmp_path):
+    """A weight of the second stage's layers of the wrong shape: every rank stops, rank 0 names the
+    tensor as the checkpoint does."""
+    from conftest import random_model, save_checkpoint
+    from safetensors.torch import load_file, save_file
+    model = random_model(seed=4, vocab_size=49152, dim=32, intermediate_size=64)
+    ckpt = save_checkpoint(model, tmp_path / "bad", tokenizer_from=smollm2_dir)
+    state = load_file(ckpt / "model.safetensors")
+    state["layers.1.feed_forward.w1.weight"] = state["layers.1.feed_forward.w1.weight"][:-1].contiguous()
+    save_file(state, ckpt / "model.safetensors")
+    r = torchrun(2, "generate.py", "--checkpoint", ckpt, "--prompt", "Hi", "--no-compile", "--max_new_tokens", 4,
+                 "--pp", 2, timeout=120)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: rank 1: layers.1.feed_forward.w1.weight has shape (63, 32) "
+                      "in the checkpoint, config.json implies (64, 32)"], r.stderr[-3000:]
