@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 import tp as tensor_parallel
 from errors import TPError, UserError
-from model import Transformer
+from model import ForwardBatch, Transformer
 from tp import TensorParallel, split_evenly
 
 
@@ -46,6 +46,13 @@ class Stage:
     pipe: str  # this tp_rank's rank of every stage, in stage order: the last one sends the logits
     first_layer: int = 0  # set by shard_modules from the model's layer count
     n_layers: int = 0
+    microbatches: int = 1  # a step's rows go through the stages in up to this many parts
+
+    def parts(self, rows: int) -> list:
+        """(first row, rows) of each micro-batch of a step: at least two rows each, since the CPU
+        kernels give a row the same bits beside any other rows but not alone."""
+        n = max(1, min(self.microbatches, rows // 2))
+        return [split_evenly(rows, n, i) for i in range(n)]
 
     @property
     def first(self) -> bool:
@@ -95,9 +102,10 @@ class Stage:
         """The previous stage's output."""
         return funcol.wait_tensor(funcol.broadcast(torch.empty(shape, dtype=dtype, device=device), 0, self.prev))
 
-    def send(self, x: Tensor):
-        # waited on here: an unused collective's result could otherwise be dropped from a compiled graph
-        funcol.wait_tensor(funcol.broadcast(x.contiguous(), 0, self.next))
+    def send(self, x: Tensor) -> Tensor:
+        """Start sending x to the next stage; wait_tensor on the result waits until it is sent (a
+        compiled graph could drop a collective whose result nothing waits on)."""
+        return funcol.broadcast(x.contiguous(), 0, self.next)
 
     def share(self, logits: Tensor) -> Tensor:
         """The last stage's logits, on every stage."""
@@ -113,16 +121,37 @@ class StageTransformer(Transformer):
     def forward(self, tokens: Tensor, batch) -> Tensor:
         batch = self.forward_batch(tokens, batch)
         stage, (B, T) = self.stage, tokens.shape
-        if stage.first:
-            x = self.embed(tokens)
-        else:
-            x = stage.receive((B, T, self.args.dim), self.norm.weight.dtype, tokens.device)  # (B, T, dim)
-        x = self.blocks(x, batch, batch.last if stage.last else None)  # the next stage needs every token
+        outputs, sent = [], []
+        # micro-batches: while the next stage runs one part, this one runs the next part
+        for first, rows in stage.parts(B):
+            part = rows_of(batch, first, rows)
+            if stage.first:
+                x = self.embed(tokens[first:first + rows])
+            else:
+                x = stage.receive((rows, T, self.args.dim), self.norm.weight.dtype, tokens.device)  # (rows, T, dim)
+            x = self.blocks(x, part, part.last if stage.last else None)  # the next stage needs every token
+            if stage.last:
+                outputs.append(x)
+            else:
+                sent.append(stage.send(x))
         if stage.last:
-            return stage.share(self.head(x, batch))
-        stage.send(x)
+            return stage.share(self.head(torch.cat(outputs) if len(outputs) > 1 else outputs[0], batch))
+        for x in sent:
+            funcol.wait_tensor(x)
         rows = B if batch.logit_rows is None else batch.logit_rows.shape[0]
-        return stage.share(x.new_empty(rows, T if batch.last is None else 1, self.args.vocab_size, dtype=torch.float32))
+        return stage.share(tokens.new_empty(rows, T if batch.last is None else 1, self.args.vocab_size,
+                                            dtype=torch.float32))
+
+
+def rows_of(batch: ForwardBatch, first: int, rows: int) -> ForwardBatch:
+    """The ForwardBatch of rows first .. first + rows - 1 of batch, every logit row's (the head runs
+    on the parts' outputs together)."""
+    if rows == batch.positions.shape[0]:
+        return dataclasses.replace(batch, logit_rows=None)
+    cut = lambda t: None if t is None else t[first:first + rows]  # noqa: E731
+    return dataclasses.replace(batch, positions=cut(batch.positions), slots=cut(batch.slots),
+                               block_table=cut(batch.block_table), last=cut(batch.last), logit_rows=None,
+                               window_slots=cut(batch.window_slots), window_table=cut(batch.window_table))
 
 
 class StageFile:
@@ -180,8 +209,10 @@ class StageParallel(TensorParallel):
         return out
 
 
-def init_from_env(device: str = "cpu", mode: str = "auto", stages: int = 1) -> tuple[Optional[TensorParallel], str]:
-    """tp.init_from_env, and with stages > 1 this rank's StageParallel in place of its TensorParallel."""
+def init_from_env(device: str = "cpu", mode: str = "auto", stages: int = 1,
+                  microbatches: Optional[int] = None) -> tuple[Optional[TensorParallel], str]:
+    """tp.init_from_env, and with stages > 1 this rank's StageParallel in place of its TensorParallel,
+    its steps in up to `microbatches` parts (default: stages)."""
     tp, device = tensor_parallel.init_from_env(device, mode)
     if stages == 1:
         return tp, device
@@ -190,7 +221,9 @@ def init_from_env(device: str = "cpu", mode: str = "auto", stages: int = 1) -> t
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % stages:
         raise UserError(f"--pp {stages} does not divide the {world} ranks torchrun started (world = tp x pp)")
-    return StageParallel(make_stage(rank, world, stages), device, mode), device
+    stage = make_stage(rank, world, stages)
+    stage.microbatches = microbatches or stages
+    return StageParallel(stage, device, mode), device
 
 
 def make_stage(rank: int, world: int, stages: int) -> Stage:

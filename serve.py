@@ -226,7 +226,7 @@ def main(argv=None):
     cuda = torch.cuda.is_available()  # the defaults that depend on CUDA
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    tp, args.device = init_from_env(args.device, args.tp_mode, args.pp)
+    tp, args.device = init_from_env(args.device, args.tp_mode, args.pp, args.microbatches)
     tokenizer, engine = load_engine(args, tp)
     aside = args.compile and not args.wait_for_compile and engine.device.type == "cpu"
     if aside:  # under torchrun on every rank, which take the graphs up at the same step

@@ -150,3 +150,22 @@ def test_pp2_bad_weight_ends_the_job_with_one_message(smollm2_dir, tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: rank 1: layers.1.feed_forward.w1.weight has shape (63, 32) "
                       "in the checkpoint, config.json implies (64, 32)"], r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_pp2_batch_in_microbatches_is_single_process_text(smollm2_dir, microbatches):
+    """Four prompts at once: in one part, or in two micro-batches of two rows that the stages run
+    at the same time (the second stage the first part while the first stage the second)."""
+    prompts = [arg for p in ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:"]
+               for arg in ("--prompt", p)]
+    r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, *prompts, "--max_new_tokens", 16, "--no-compile",
+                 "--pp", 2, "--microbatches", microbatches, timeout=300)
+    assert r.returncode == 0, job_log(r)
+    assert r.stdout == single_process_text(smollm2_dir, *prompts) and r.stdout.count("--- row") == 4
+
+
+def test_microbatches_have_two_rows_at_least():
+    s = stage(0)
+    s.microbatches = 4
+    assert s.parts(1) == [(0, 1)] and s.parts(3) == [(0, 3)]
+    assert s.parts(5) == [(0, 3), (3, 2)] and s.parts(9) == [(0, 3), (3, 2), (5, 2), (7, 2)]
