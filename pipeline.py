@@ -30,7 +30,16 @@ from torch import Tensor, nn
 import tp as tensor_parallel
 from errors import TPError, UserError
 from model import ForwardBatch, Transformer
+from thresholds import THRESHOLDS
 from tp import TensorParallel, split_evenly
+
+
+# a decode step is bound by its weight reads: in parts of few tokens each stage would read its
+# weights once a part, for more time than running the stages at once saves; a prompt's chunks are not
+MICROBATCH_MIN_TOKENS = 256
+# token counts at which a product changes path (kernels.py, qlayers.py): a part must not cross one
+TOKEN_LIMITS = (THRESHOLDS.onednn_min_tokens, THRESHOLDS.onednn_min_tokens_bf16, THRESHOLDS.tile_max_tokens,
+                THRESHOLDS.linear_max_tokens, THRESHOLDS.loop_max_tokens, THRESHOLDS.expert_loop_max_slots)
 
 
 @dataclass
@@ -48,11 +57,18 @@ class Stage:
     n_layers: int = 0
     microbatches: int = 1  # a step's rows go through the stages in up to this many parts
 
-    def parts(self, rows: int) -> list:
-        """(first row, rows) of each micro-batch of a step: at least two rows each, since the CPU
-        kernels give a row the same bits beside any other rows but not alone."""
-        n = max(1, min(self.microbatches, rows // 2))
-        return [split_evenly(rows, n, i) for i in range(n)]
+    def parts(self, rows: int, tokens: int, last: bool) -> list:
+        """(first row, rows) of each micro-batch of a step of `rows` rows of `tokens` tokens (last:
+        the last layer takes one token a row): the most that microbatches allows with at least two
+        rows and MICROBATCH_MIN_TOKENS tokens each, where no product takes another path than the
+        whole step's (kernels.py gives a row the same bits beside any rows on one path, not across
+        paths, nor alone); else one part."""
+        for n in range(min(self.microbatches, rows // 2), 1, -1):
+            least = rows // n
+            if least * tokens >= MICROBATCH_MIN_TOKENS and not any(
+                    least * t <= v <= rows * t for v in TOKEN_LIMITS for t in {tokens, 1 if last else tokens}):
+                return [split_evenly(rows, n, i) for i in range(n)]
+        return [(0, rows)]
 
     @property
     def first(self) -> bool:
@@ -123,7 +139,7 @@ class StageTransformer(Transformer):
         stage, (B, T) = self.stage, tokens.shape
         outputs, sent = [], []
         # micro-batches: while the next stage runs one part, this one runs the next part
-        for first, rows in stage.parts(B):
+        for first, rows in stage.parts(B, T, batch.last is not None):
             part = rows_of(batch, first, rows)
             if stage.first:
                 x = self.embed(tokens[first:first + rows])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import checkpoint
-from conftest import run_script
+from conftest import ROOT, run_script
 from loading import meta_model
 from memory import weight_bytes
 from pipeline import Stage, StageFile
@@ -154,18 +154,21 @@ def test_pp2_bad_weight_ends_the_job_with_one_message(smollm2_dir, tmp_path):
 
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_pp2_batch_in_microbatches_is_single_process_text(smollm2_dir, microbatches):
-    """Four prompts at once: in one part, or in two micro-batches of two rows that the stages run
-    at the same time (the second stage the first part while the first stage the second)."""
-    prompts = [arg for p in ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:"]
-               for arg in ("--prompt", p)]
-    r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, *prompts, "--max_new_tokens", 16, "--no-compile",
+    """Four prompts of over 128 tokens at once: in one part, or in two micro-batches of two rows that
+    the stages run at the same time (the second stage the first part while the first stage the second)."""
+    text = (ROOT / "data" / "hamlet.txt").read_text()
+    prompts = [arg for i in range(4) for arg in ("--prompt", text[1000 * i:1000 * i + 700])]
+    r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, *prompts, "--max_new_tokens", 8, "--no-compile",
                  "--pp", 2, "--microbatches", microbatches, timeout=300)
     assert r.returncode == 0, job_log(r)
-    assert r.stdout == single_process_text(smollm2_dir, *prompts) and r.stdout.count("--- row") == 4
+    assert r.stdout == single_process_text(smollm2_dir, *prompts, "--max_new_tokens", 8) and r.stdout.count("--- row") == 4
 
 
-def test_microbatches_have_two_rows_at_least():
+def test_microbatches_have_two_rows_and_enough_tokens_at_least():
     s = stage(0)
     s.microbatches = 4
-    assert s.parts(1) == [(0, 1)] and s.parts(3) == [(0, 3)]
-    assert s.parts(5) == [(0, 3), (3, 2)] and s.parts(9) == [(0, 3), (3, 2), (5, 2), (7, 2)]
+    assert s.parts(1, 300, True) == [(0, 1)] and s.parts(3, 300, True) == [(0, 3)]
+    assert s.parts(5, 300, True) == [(0, 3), (3, 2)] and s.parts(9, 300, False) == [(0, 3), (3, 2), (5, 2), (7, 2)]
+    assert s.parts(64, 1, False) == [(0, 64)]  # a decode step: one part
+    assert s.parts(9, 300, True) == [(0, 9)]  # the last layer's 9 tokens past 8, parts of 2 to 4 not
+    assert s.parts(32, 129, True) == [(0, 32)]  # parts of 8 rows would take their last layer's 8 tokens elsewhere
