@@ -42,9 +42,10 @@ def add_model_args(p):
                    help="under torchrun: split the layers into N pipeline stages, each on its own ranks "
                         "(world = tp x pp: torchrun's ranks divided by N form each stage's tensor-parallel "
                         "group); the last stage's logits reach every rank (pipeline.py)")
-    p.add_argument("--microbatches", type=int, default=None, metavar="M",
-                   help="with --pp: a step's rows go through the stages in up to M parts of at least two rows, "
-                        "so that the stages run at once (default: the stages' count; 1: one part)")
+    p.add_argument("--microbatches", type=int, default=1, metavar="M",
+                   help="with --pp: a step's rows go through the stages in up to M parts, so that the stages run "
+                        "at once; only a step of 256 tokens a part or more (a batch of prompts) is split "
+                        "(default: 1: one part; pipeline.py)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda where there is one, else cpu)")
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: bfloat16 where there is CUDA, else float32)")
@@ -170,7 +171,7 @@ def check_args(args):
         raise UserError("--ngram must be at least 1")
     if args.pp < 1:
         raise UserError("--pp must be at least 1")
-    if args.microbatches is not None and (args.microbatches < 1 or args.pp == 1):
+    if args.microbatches != 1 and (args.microbatches < 1 or args.pp == 1):
         raise UserError("--microbatches goes with --pp and must be at least 1")
     if args.pp > 1 and (args.draft_checkpoint or args.ngram is not None or args.prompt_cache or args.shape):
         raise UserError("--pp runs a --checkpoint without speculative decoding or --prompt_cache")

@@ -14,6 +14,11 @@ next, and the last stage computes the logits and broadcasts them to its rank of 
 that every rank samples the same tokens and every engine's scheduler stays in lockstep. A step
 therefore runs the stages in turn: a stage waits while the others compute.
 
+With --microbatches M, a step of many tokens (a batch of prompts) goes through the stages in up to
+M parts of its rows: each stage sends a part on and starts the next while the next stage runs it.
+A decode step is not split: bound by its weight reads, in parts it would read every weight once a
+part. A part keeps every product on the whole step's kernel path, so the text stays one process's.
+
 The exchanges are broadcasts in groups of two ranks (one stage's rank and the next's) and in each
 pipe (a tp_rank's rank of every stage), through functional collectives that torch.compile traces
 into the compiled step as it does tp.py's, so the compiled step needs no graph break.
@@ -226,9 +231,9 @@ class StageParallel(TensorParallel):
 
 
 def init_from_env(device: str = "cpu", mode: str = "auto", stages: int = 1,
-                  microbatches: Optional[int] = None) -> tuple[Optional[TensorParallel], str]:
+                  microbatches: int = 1) -> tuple[Optional[TensorParallel], str]:
     """tp.init_from_env, and with stages > 1 this rank's StageParallel in place of its TensorParallel,
-    its steps in up to `microbatches` parts (default: stages)."""
+    its steps in up to `microbatches` parts."""
     tp, device = tensor_parallel.init_from_env(device, mode)
     if stages == 1:
         return tp, device
@@ -238,7 +243,7 @@ def init_from_env(device: str = "cpu", mode: str = "auto", stages: int = 1,
     if world % stages:
         raise UserError(f"--pp {stages} does not divide the {world} ranks torchrun started (world = tp x pp)")
     stage = make_stage(rank, world, stages)
-    stage.microbatches = microbatches or stages
+    stage.microbatches = microbatches
     return StageParallel(stage, device, mode), device
 
 
