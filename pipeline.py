@@ -39,8 +39,9 @@ from thresholds import THRESHOLDS
 from tp import TensorParallel, split_evenly
 
 
-# a decode step is bound by its weight reads: in parts of few tokens each stage would read its
-# weights once a part, for more time than running the stages at once saves; a prompt's chunks are not
+# a decode step is bound by its weight reads, and in parts each stage reads its weights once a part;
+# a part of this many tokens is bound by its arithmetic instead (an estimate: no machine here gives
+# each rank a core of its own to measure the overlap on)
 MICROBATCH_MIN_TOKENS = 256
 # token counts at which a product changes path (kernels.py, qlayers.py): a part must not cross one
 TOKEN_LIMITS = (THRESHOLDS.onednn_min_tokens, THRESHOLDS.onednn_min_tokens_bf16, THRESHOLDS.tile_max_tokens,
