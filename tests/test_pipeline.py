@@ -171,3 +171,15 @@ def test_microbatches_have_two_rows_and_enough_tokens_at_least():
     assert s.parts(64, 1, False) == [(0, 64)]  # a decode step: one part
     assert s.parts(9, 300, True) == [(0, 9)]  # the last layer's 9 tokens past 8, parts of 2 to 4 not
     assert s.parts(32, 129, True) == [(0, 32)]  # parts of 8 rows would take their last layer's 8 tokens elsewhere
+
+
+def test_pp3_untied_model_text_is_single_process_text(smollm2_dir, tmp_path):
+    """Three stages of one layer each: a middle stage holds neither end, and an untied head lives on
+    the last stage alone."""
+    from conftest import random_model, save_checkpoint
+    model = random_model(seed=5, vocab_size=49152, dim=32, intermediate_size=64, n_layers=3)
+    assert not model.args.tie_word_embeddings
+    ckpt = save_checkpoint(model, tmp_path / "untied", tokenizer_from=smollm2_dir)
+    r = torchrun(3, "generate.py", "--checkpoint", ckpt, *FLAGS, "--no-compile", "--pp", 3, timeout=300)
+    assert r.returncode == 0, job_log(r)
+    assert r.stdout == single_process_text(ckpt)
