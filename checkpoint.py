@@ -58,12 +58,14 @@ def check_names(names, expected, where) -> None:
 
 def read_weights(checkpoint_dir, expected: dict, device, dtype: torch.dtype,
                  keep_dtype: Callable[[str], bool] = lambda name: False,
-                 read: Optional[Callable] = None, streamed: Callable[[str], bool] = lambda name: False) -> dict:
+                 read: Optional[Callable] = None, streamed: Callable[[str], bool] = lambda name: False,
+                 view: Callable = lambda f: f) -> dict:
     """The weights of `expected` (name -> shape) from model.safetensors, on `device`. Float weights
     take `dtype` unless keep_dtype(name); integer (quantized) weights keep theirs. read(file, name)
     replaces the plain read (tensor parallelism reads one shard); the shapes are checked after it.
     The integer weights for which streamed(name) holds are read from the file into one block on
-    2 MB pages (streamed_block), on CPU and without `read`."""
+    2 MB pages (streamed_block), on CPU and without `read`. view(file): the file as this process
+    reads it (a pipeline stage: its own layers' tensors only, pipeline.StageFile)."""
     from safetensors import SafetensorError, safe_open
 
     weights = Path(checkpoint_dir) / WEIGHTS
@@ -71,7 +73,8 @@ def read_weights(checkpoint_dir, expected: dict, device, dtype: torch.dtype,
         raise CheckpointError(f"{weights} not found")
     state = {}
     try:
-        with safe_open(weights, framework="pt") as f:  # memory-mapped: only what is read is loaded
+        with safe_open(weights, framework="pt") as opened:  # memory-mapped: only what is read is loaded
+            f = view(opened)
             check_names(f.keys(), expected, weights)
             block = converted_block(f, expected, device, dtype, keep_dtype)
             rows = streamed_block(weights, f, expected, device, streamed) if read is None else {}

@@ -42,7 +42,8 @@ from prompt_store import open_store
 from rope import trained_context
 from sampling import Sampling, check_sampling
 from tokenizer import StopStrings, Tokenizer
-from tp import init_from_env, ranks_on_this_machine
+from pipeline import init_from_env, leads
+from tp import ranks_on_this_machine
 
 
 def print_metrics(metrics: dict):
@@ -356,7 +357,8 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
 
 def main(argv=None):
     args = parse_args(argv)
-    tp, args.device = init_from_env(args.device, args.tp_mode)  # under torchrun: this rank's shard and device (tp.py)
+    # under torchrun: this rank's shard (tp.py), of its stage's layers with --pp (pipeline.py), and device
+    tp, args.device = init_from_env(args.device, args.tp_mode, args.pp, args.microbatches)
     if tp is not None and args.interactive:
         raise UserError("--interactive is not supported with tensor parallelism (torchrun)")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
@@ -407,7 +409,7 @@ def main(argv=None):
     if compiling is not None and compiling.is_alive():
         log("the run ended before the compiled step was ready: it stepped eagerly throughout "
             "(--wait_for_compile compiles first, and caches the graphs on disk for later runs)")
-    if args.metrics_json and (tp is None or tp.rank == 0):
+    if args.metrics_json and leads():
         write_json(args.metrics_json, all_metrics)
 
 

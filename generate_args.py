@@ -38,6 +38,14 @@ def add_model_args(p):
                         "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
                         "fewer collectives, but a quantized model's text may drift from one process's; "
                         "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
+    p.add_argument("--pp", type=int, default=1, metavar="N",
+                   help="under torchrun: split the layers into N pipeline stages, each on its own ranks "
+                        "(world = tp x pp: torchrun's ranks divided by N form each stage's tensor-parallel "
+                        "group); the last stage's logits reach every rank (pipeline.py)")
+    p.add_argument("--microbatches", type=int, default=1, metavar="M",
+                   help="with --pp: a step's rows go through the stages in up to M parts, so that the stages run "
+                        "at once; only a step of 256 tokens a part or more (a batch of prompts) is split "
+                        "(default: 1: one part; pipeline.py)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda where there is one, else cpu)")
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: bfloat16 where there is CUDA, else float32)")
@@ -161,6 +169,12 @@ def check_args(args):
         raise UserError("give either --draft_checkpoint or --ngram, not both")
     if args.ngram is not None and args.ngram < 1:
         raise UserError("--ngram must be at least 1")
+    if args.pp < 1:
+        raise UserError("--pp must be at least 1")
+    if args.microbatches != 1 and (args.microbatches < 1 or args.pp == 1):
+        raise UserError("--microbatches goes with --pp and must be at least 1")
+    if args.pp > 1 and (args.draft_checkpoint or args.ngram is not None or args.prompt_cache or args.shape):
+        raise UserError("--pp runs a --checkpoint without speculative decoding or --prompt_cache")
     if args.speculate_k < 1:
         raise UserError("--speculate_k must be at least 1")
     if args.draft_dtype and not args.draft_checkpoint:

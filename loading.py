@@ -64,9 +64,9 @@ def load_model(checkpoint_dir, device="cpu", dtype=torch.float32, tp=None, fast_
     streamed = qlayers.streamed_int8_names(model)  # int8 rows read into one block on 2 MB pages (CPU)
     state = checkpoint.read_weights(checkpoint_dir, checkpoint.expected_shapes(model), device, dtype,
                                     keep_dtype=keep_dtype.__contains__, read=tp.read if tp is not None else None,
-                                    streamed=streamed.__contains__)
+                                    streamed=streamed.__contains__, view=tp.view if tp is not None else lambda f: f)
     model.load_state_dict(state, strict=False, assign=True)
-    if args.tie_word_embeddings:
+    if model.args.tie_word_embeddings:  # (a pipeline stage's args say whether it holds the head)
         model.output.weight = model.tok_embeddings.weight
     if args.quantization:
         qlayers.prepare_for_device(model)  # ties scales, packs the weights for this device's kernel

@@ -544,15 +544,26 @@ class Transformer(nn.Module):
         layout setup_caches(max_batch_size, max_seq_length) gives (ForwardBatch.rows, reading the
         whole row). Returns float logits (B, T, vocab); (B, 1, vocab) with batch.last; only
         batch.logit_rows' rows with those."""
+        batch = self.forward_batch(tokens, batch)
+        return self.head(self.blocks(self.embed(tokens), batch, batch.last), batch)
+
+    def forward_batch(self, tokens: Tensor, batch: Union[ForwardBatch, Tensor]) -> ForwardBatch:
         assert self.num_slots > 0, "call setup_caches() first"
         if isinstance(batch, Tensor):
             batch = ForwardBatch.rows(batch, tokens.shape[0], self.max_seq_length, kv_len=self.max_seq_length)
-        B, T = tokens.shape
-        cos, sin = self.rotary(batch.positions)
-        local_rope = self.local_rotary(batch.positions) if self.local_rotary is not None else (cos, sin)
+        return batch
+
+    def embed(self, tokens: Tensor) -> Tensor:
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         if self.args.embedding_scale:  # the scale rounded to the model dtype first, as Gemma's reference does
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype, device=x.device)
+        return x
+
+    def blocks(self, x: Tensor, batch: ForwardBatch, last: Optional[Tensor]) -> Tensor:
+        """x (B, T, dim) through self.layers; the last one computes only `last`'s token (B, 1) when given."""
+        B, T, _ = x.shape
+        cos, sin = self.rotary(batch.positions)
+        local_rope = self.local_rotary(batch.positions) if self.local_rotary is not None else (cos, sin)
         # one whole sequence from position 0: full-attention layers use SDPA's causal mask
         sdpa_causal = (batch.fresh and B == 1 and T > THRESHOLDS.causal_sdpa_min_tokens
                        and not self.args.attn_logit_softcapping)
@@ -563,7 +574,11 @@ class Transformer(nn.Module):
             # past the last layer's keys and values (the cache needs them), a prefill needs only the
             # next token's output: the last layer computes batch.last's token alone
             x = (block_region if self.regional else TransformerBlock.__call__)(
-                layer, x, c, s, masks, views, last=batch.last if i == len(self.layers) - 1 else None)
+                layer, x, c, s, masks, views, last=last if i == len(self.layers) - 1 else None)
+        return x
+
+    def head(self, x: Tensor, batch: ForwardBatch) -> Tensor:
+        """The last layer's output (B, T, dim) -> float logits of batch.logit_rows' rows."""
         if batch.logit_rows is not None:
             x = x[batch.logit_rows]
         logits = self.output(self.norm(x))

@@ -61,6 +61,12 @@ def add_serve_running_args(p):
                         "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
                         "fewer collectives, but a quantized model's text may drift from one process's; "
                         "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
+    p.add_argument("--pp", type=int, default=1, metavar="N",
+                   help="under torchrun: N pipeline stages, as generate.py --pp (pipeline.py); rank 0 serves")
+    p.add_argument("--microbatches", type=int, default=1, metavar="M",
+                   help="with --pp: a step's rows go through the stages in up to M parts, so that the stages run "
+                        "at once; only a step of 256 tokens a part or more (a batch of prompts) is split "
+                        "(default: 1: one part; pipeline.py)")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: bfloat16 where there is CUDA, else float32)")
@@ -94,6 +100,12 @@ def check_serve_args(args):
         raise UserError("--port must be in 1..65535")
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise UserError("--shutdown_timeout must be a finite number of seconds >= 0")
+    if args.pp < 1:
+        raise UserError("--pp must be at least 1")
+    if args.microbatches != 1 and (args.microbatches < 1 or args.pp == 1):
+        raise UserError("--microbatches goes with --pp and must be at least 1")
+    if args.pp > 1 and args.prompt_cache is not None:
+        raise UserError("--pp runs without --prompt_cache")
     require_dir(args.checkpoint)
 
 

@@ -56,7 +56,7 @@ from prompt_store import open_store
 from rope import recompute_position, trained_context
 from scheduler import StepPlan
 from tokenizer import Tokenizer
-from tp import init_from_env
+from pipeline import init_from_env, leads
 
 
 # ---------------------------------------------------------------- start-up
@@ -148,7 +148,7 @@ def lead_or_follow(engine: Engine, tp) -> bool:
         dist.broadcast_object_list(box, src=0, group=tp.group)
         return box[0]
 
-    if tp.rank != 0:
+    if not leads():
         engine.follow(receive)  # the warm-up's steps first, then every step rank 0 plans
         return False
     engine.broadcast = broadcast
@@ -226,7 +226,7 @@ def main(argv=None):
     cuda = torch.cuda.is_available()  # the defaults that depend on CUDA
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    tp, args.device = init_from_env(args.device, args.tp_mode)
+    tp, args.device = init_from_env(args.device, args.tp_mode, args.pp, args.microbatches)
     tokenizer, engine = load_engine(args, tp)
     aside = args.compile and not args.wait_for_compile and engine.device.type == "cpu"
     if aside:  # under torchrun on every rank, which take the graphs up at the same step

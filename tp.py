@@ -364,6 +364,10 @@ class TensorParallel:
 
     # ---------------------------------------------------------------- loading
 
+    def view(self, f):
+        """The checkpoint file (safe_open) as this rank reads it: whole here, a stage's part in pipeline.py."""
+        return f
+
     def read(self, f, name: str) -> torch.Tensor:
         """This rank's part of tensor `name` from an open safetensors file (safe_open): only
         the slice is read from disk."""
@@ -398,12 +402,12 @@ class TensorParallel:
             # a UserError says what is wrong; name the others' type (MemoryError)
             plain = str(e) and isinstance(e, (UserError, ValueError, RuntimeError, OSError))
             result, error = None, str(e) if plain else f"{type(e).__name__}: {e}"
-        errors = [None] * self.world_size
+        errors = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(errors, error, group=self.group)
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
             r, e = failed[0]
-            if self.rank != 0:
+            if dist.get_rank(self.group) != 0:
                 # wait here until rank 0 has printed the message and exited (the barrier then
                 # fails), so that torchrun does not tear rank 0 down before it says why
                 try:
@@ -424,7 +428,7 @@ class TensorParallel:
 
     def gather(self, value) -> list:
         """value from every rank, in rank order (e.g. per-rank memory for the metrics)."""
-        out = [None] * self.world_size
+        out = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, value, group=self.group)
         return out
 

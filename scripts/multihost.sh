@@ -31,6 +31,7 @@
 #     --nproc_per_node 1 --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:$MASTER_PORT \
 #     --local_addr $HOST_ADDR --rdzv_conf is_host=$((HOST_RANK == 0)) \
 #     generate.py --checkpoint checkpoints/smollm2-135m --prompt "Once upon a time" --no-compile'
+# Pipeline parallelism over the same 2 hosts (a stage of 15 layers on each): add --pp 2.
 # The c10d rendezvous numbers the nodes itself (by address: host 0 holds rank 0), so there is no
 # --node_rank. --local_addr and is_host: the namespaces share this machine's host name, which
 # resolves to 127.0.0.1, so torchrun can learn from it neither its own address nor whether it

@@ -69,9 +69,11 @@ def test_a_failing_host_ends_the_others_and_leftovers_are_removed():
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo across namespaces: CPU ranks")
-def test_tp2_across_two_hosts_matches_single_process(smollm2_dir, tmp_path):
+@pytest.mark.parametrize("split", [[], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_two_hosts_match_single_process(smollm2_dir, tmp_path, split):
     """torchrun on each of 2 hosts (1 rank each, c10d rendezvous at host 0, gloo over the veths):
-    SmolLM2 split 6 + 3 heads prints one process's greedy text, from host 0 (rank 0) only."""
+    SmolLM2 split 6 + 3 heads, or into two stages of 15 layers, prints one process's greedy text,
+    from host 0 (rank 0) only."""
     flags = ["--checkpoint", smollm2_dir, "--prompt", "Once upon a time", "--max_new_tokens", "16", "--no-compile",
              "--device", "cpu", "--dtype", "float32"]
     single = run_script("generate.py", *flags)
@@ -81,7 +83,8 @@ def test_tp2_across_two_hosts_matches_single_process(smollm2_dir, tmp_path):
                 "--nnodes $NUM_HOSTS --nproc_per_node 1 --rdzv_backend c10d "
                 "--rdzv_endpoint $MASTER_ADDR:$MASTER_PORT --local_addr $HOST_ADDR "
                 "--rdzv_conf is_host=$((HOST_RANK == 0)),join_timeout=120")
-    r = multihost(f"{torchrun} generate.py {shlex.join(map(str, flags))}", f"{PREFIX}c", "-o", tmp_path, timeout=300)
+    r = multihost(f"{torchrun} generate.py {shlex.join(map(str, flags + split))}", f"{PREFIX}c", "-o", tmp_path,
+                  timeout=300)
     assert r.returncode == 0, r.stderr[-5000:]
     assert (tmp_path / "h0.out").read_text() == single.stdout and len(single.stdout) > 40
     assert (tmp_path / "h1.out").read_text() == ""

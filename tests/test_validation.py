@@ -319,8 +319,10 @@ WITHOUT_TORCH = "import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.
 
 # script -> the flags it needs beside --checkpoint; flags whose values it refuses, and the message
 FLAG_ERRORS = {
-    "generate.py": ([], {"--max_new_tokens 0": "error: --max_new_tokens must be at least 1"}),
+    "generate.py": ([], {"--max_new_tokens 0": "error: --max_new_tokens must be at least 1",
+                         "--pp 0": "error: --pp must be at least 1"}),
     "serve.py": ([], {"--port 70000": "error: --port must be in 1..65535",
+                      "--microbatches 2": "error: --microbatches goes with --pp",
                       "--max_seq_length 1": "error: --max_seq_length must be at least 2",
                       "--shutdown_timeout inf": "error: --shutdown_timeout must be a finite number"}),
     "eval.py": ([], {"--stride 0": "error: --window must be at least 2 and --stride between 1 and --window",
