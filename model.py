@@ -208,31 +208,24 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def at(self, slots: Tensor) -> tuple:
-        """The index of slots (any shape) into a pool: keys[at(slots)] is (*slots.shape, n_kv_heads, head_dim)."""
-        block_size = self.k_cache.shape[2]
-        return slots // block_size, slice(None), slots % block_size
+        """The index of slots (any shape) into a pool."""
+        return slots // self.k_cache.shape[2], slice(None), slots % self.k_cache.shape[2]
 
     def get(self, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """The keys and values of slots (N,): (N, n_kv_heads, head_dim) each, copied."""
-        where = self.at(slots)
-        return self.k_cache[where], self.v_cache[where]
+        """The keys and values of slots: (*slots.shape, n_kv_heads, head_dim) each, copied."""
+        return self.k_cache[self.at(slots)], self.v_cache[self.at(slots)]
 
     def put(self, slots: Tensor, k: Tensor, v: Tensor):
-        """k, v (N, n_kv_heads, head_dim) to slots (N,)."""
-        where = self.at(slots)
-        self.k_cache[where] = k
-        self.v_cache[where] = v
+        """k, v (*slots.shape, n_kv_heads, head_dim) to slots."""
+        self.k_cache[self.at(slots)], self.v_cache[self.at(slots)] = k, v
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor):
         """k, v (B, n_kv_heads, T, head_dim) to slots (B, T)."""
-        flat = slots.reshape(-1)
-        self.put(flat, k.transpose(1, 2).reshape(flat.shape[0], *k.shape[1::2]),
-                 v.transpose(1, 2).reshape(flat.shape[0], *v.shape[1::2]))
+        self.put(slots, k.transpose(1, 2), v.transpose(1, 2))
 
     def read(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values of slots context (B, S): (B, n_kv_heads, S, head_dim) each, copied."""
-        k, v = self.get(context)
-        return k.transpose(1, 2), v.transpose(1, 2)
+        return tuple(x.transpose(1, 2) for x in self.get(context))
 
 
 class RMSNorm(nn.Module):
@@ -507,9 +500,8 @@ class Transformer(nn.Module):
                      block_size: Optional[int] = None):
         """Preallocate every layer's slot pool, num_slots of them (default max_batch_size *
         max_seq_length: ForwardBatch.rows' layout, row b from slot b * max_seq_length), or for
-        sliding-window layers window_slots when they have pools of their own, each from
-        zeros(shape, dtype=, device=), in blocks of block_size slots (default a row's); call again to
-        resize (the old contents are lost)."""
+        sliding-window layers window_slots when they have pools of their own, in blocks of
+        block_size slots (default a row's), from zeros(shape, dtype=, device=); call again to resize."""
         dtype = dtype or self.norm.weight.dtype  # norms stay float in quantized models too
         device = device or self.norm.weight.device
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
@@ -540,18 +532,16 @@ class Transformer(nn.Module):
         return None if sdpa_causal else additive(causal), local
 
     def forward(self, tokens: Tensor, batch: Union[ForwardBatch, Tensor]) -> Tensor:
-        """tokens (B, T) at batch's positions, or at input_pos (T,) or (B, T) in rows 0..B-1 of the
-        layout setup_caches(max_batch_size, max_seq_length) gives (ForwardBatch.rows, reading the
-        whole row). Returns float logits (B, T, vocab); (B, 1, vocab) with batch.last; only
-        batch.logit_rows' rows with those."""
+        """tokens (B, T) at batch's positions, or at input_pos (T,) or (B, T) in rows 0..B-1 of
+        setup_caches' rows (ForwardBatch.rows, reading the whole row). Returns float logits (B, T,
+        vocab); (B, 1, vocab) with batch.last; only batch.logit_rows' rows with those."""
         batch = self.forward_batch(tokens, batch)
         return self.head(self.blocks(self.embed(tokens), batch, batch.last), batch)
 
     def forward_batch(self, tokens: Tensor, batch: Union[ForwardBatch, Tensor]) -> ForwardBatch:
         assert self.num_slots > 0, "call setup_caches() first"
-        if isinstance(batch, Tensor):
-            batch = ForwardBatch.rows(batch, tokens.shape[0], self.max_seq_length, kv_len=self.max_seq_length)
-        return batch
+        return batch if isinstance(batch, ForwardBatch) else ForwardBatch.rows(
+            batch, tokens.shape[0], self.max_seq_length, kv_len=self.max_seq_length)
 
     def embed(self, tokens: Tensor) -> Tensor:
         x = self.tok_embeddings(tokens)  # (B, T, dim)
