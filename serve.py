@@ -46,6 +46,7 @@ import torch
 
 import checkpoint
 import kernels
+import liveness
 import warmup
 from engine import BLOCK_SIZE, Engine, log
 from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype, preflight
@@ -233,6 +234,7 @@ def main(argv=None):
         warm_up(engine, aside=True)
     if tp is not None and not lead_or_follow(engine, tp):
         return
+    liveness.on_lost(lambda why: engine.abort_all("error", why))  # a lost rank: the open requests get its error
     if args.compile and not aside:  # CUDA graphs are recorded with the device to themselves
         warm_up(engine)
     serve(args, engine, tokenizer)
