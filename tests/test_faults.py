@@ -150,3 +150,174 @@ def test_declare_prints_one_line_runs_the_callbacks_and_exits_1(job, monkeypatch
         job.ranks[0].declare("lost rank 1 (host 10.77.0.2): no heartbeat for 10 s")
     assert e.value.code == 1 and seen == ["lost rank 1 (host 10.77.0.2): no heartbeat for 10 s"]
     assert err.getvalue() == "error: lost rank 1 (host 10.77.0.2): no heartbeat for 10 s\n"
+
+
+# ---------------------------------------------------------------- across two hosts (network namespaces)
+
+SCRIPT = ROOT / "scripts" / "multihost.sh"
+CANNOT = 77  # the script's status where namespaces cannot be made
+DEADLINE_S = 30  # a rank that lost a peer has said so and exited within this
+# one thread a rank: two ranks share this machine's cores
+TORCHRUN = (f"OMP_NUM_THREADS=1 {shlex.quote(sys.executable)} -m torch.distributed.run --nnodes $NUM_HOSTS "
+            "--nproc_per_node 1 --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:$MASTER_PORT "
+            "--local_addr $HOST_ADDR --rdzv_conf is_host=$((HOST_RANK == 0)),join_timeout=120")
+needs_cpu = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="gloo across namespaces: CPU ranks")
+
+
+class Hosts:
+    """scripts/multihost.sh running `command` on 2 hosts named prefix-h0, prefix-h1, in the background;
+    each host's output in tmp_path/h<i>.out, .err as it comes. grace: the script's -g, how long a host
+    may go on after another failed (torchrun on a host that lost host 0 waits out its own rendezvous)."""
+
+    def __init__(self, command: str, prefix: str, tmp_path, grace: int = 5):
+        self.prefix, self.dir = prefix, tmp_path
+        self.proc = subprocess.Popen(["bash", SCRIPT, "-n", "2", "-p", prefix, "-t", "300", "-g", str(grace),
+                                      "-o", tmp_path, "--", command], cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def text(self, name: str) -> str:
+        path = self.dir / name
+        return path.read_text() if path.exists() else ""
+
+    def wait_for(self, what, timeout: float = 180):
+        """Poll until what() is true; skip where the script could not make the namespaces."""
+        deadline = time.monotonic() + timeout
+        while not what():
+            if self.proc.poll() is not None:
+                out, err = self.proc.communicate()
+                if self.proc.returncode == CANNOT:
+                    pytest.skip(err.strip().splitlines()[-1])
+                raise AssertionError(f"the hosts ended first ({self.proc.returncode}): {err[-3000:]}")
+            assert time.monotonic() < deadline, f"timed out: {self.text('h0.err')[-2000:]}"
+            time.sleep(0.2)
+
+    def rank_pid(self, host: int, script: str) -> int:
+        """The process of the rank that torchrun started on `host` (python -u script ...)."""
+        listed = subprocess.run(["ip", "netns", "pids", f"{self.prefix}-h{host}"], capture_output=True, text=True)
+        for pid in listed.stdout.split():
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"-u" in cmdline and script.encode() in cmdline:
+                return int(pid)
+        raise AssertionError(f"no rank running {script} on host {host}")
+
+    def in_host(self, host: int, *command) -> list:
+        return ["ip", "netns", "exec", f"{self.prefix}-h{host}", *map(str, command)]
+
+    def finish(self) -> subprocess.CompletedProcess:
+        out, err = self.proc.communicate(timeout=120)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+
+def gone_within(pids: list, seconds: float) -> float:
+    """Seconds until every process in pids has exited (fails past `seconds`)."""
+    start = time.monotonic()
+    while any(os.path.exists(f"/proc/{pid}") and b"zombie" not in status(pid) for pid in pids):
+        assert time.monotonic() - start < seconds, f"still running after {seconds} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def status(pid: int) -> bytes:
+    try:
+        return open(f"/proc/{pid}/status", "rb").read().lower()
+    except OSError:
+        return b"zombie"
+
+
+def lost_lines(text: str) -> list:
+    return [line for line in text.splitlines() if line.startswith("error: lost")]
+
+
+def generate_on_two_hosts(smollm2_dir, prefix: str, tmp_path) -> Hosts:
+    """generate.py over 2 hosts, a long greedy run, once its first tokens are out."""
+    flags = ["--checkpoint", smollm2_dir, "--prompt", "Once upon a time", "--max_new_tokens", 2000,
+             "--max_seq_length", 2048, "--no-compile", "--device", "cpu", "--dtype", "float32"]
+    hosts = Hosts(f"{TORCHRUN} generate.py {shlex.join(map(str, flags))}", prefix, tmp_path)
+    hosts.wait_for(lambda: len(hosts.text("h0.out")) > 20)
+    return hosts
+
+
+@needs_cpu
+def test_a_killed_rank_ends_its_peer_with_one_line(smollm2_dir, tmp_path):
+    """SIGKILL of the rank on host 1 mid-generation: host 0's rank names it and exits 1 in seconds."""
+    hosts = generate_on_two_hosts(smollm2_dir, f"flt{os.getpid()}a", tmp_path)
+    peer = hosts.rank_pid(0, "generate.py")
+    os.kill(hosts.rank_pid(1, "generate.py"), signal.SIGKILL)
+    seconds = gone_within([peer], DEADLINE_S)
+    r = hosts.finish()
+    assert r.returncode != 0
+    assert lost_lines(hosts.text("h0.err")) == ["error: lost rank 1 (host 10.77.0.2): no heartbeat for 3 s"], \
+        hosts.text("h0.err")[-3000:]
+    assert "exitcode  : 1" in hosts.text("h0.err") and "Traceback" not in hosts.text("h0.err").split("error: lost")[0]
+    print(f"host 0's rank exited {seconds:.1f} s after the kill")
+
+
+@needs_cpu
+def test_a_host_whose_link_goes_down_is_named_on_both_sides(smollm2_dir, tmp_path):
+    """`ip link set veth1 down` on host 1 mid-generation: host 0's rank names rank 1, host 1's names
+    host 0 (whose store it cannot reach), both exit 1 within DEADLINE_S instead of gloo's timeout."""
+    hosts = generate_on_two_hosts(smollm2_dir, f"flt{os.getpid()}b", tmp_path)
+    ranks = [hosts.rank_pid(0, "generate.py"), hosts.rank_pid(1, "generate.py")]
+    subprocess.run(hosts.in_host(1, "ip", "link", "set", "veth1", "down"), check=True)
+    seconds = gone_within(ranks, DEADLINE_S)
+    hosts.finish()
+    assert lost_lines(hosts.text("h0.err")) == [f"error: lost rank 1 (host 10.77.0.2): no heartbeat for {LOST_S:.0f} s"]
+    assert lost_lines(hosts.text("h1.err")) == [
+        f"error: lost host 10.77.0.1 (rank 0): the job's store there has not answered for {LOST_S:.0f} s"]
+    assert "exitcode  : 1" in hosts.text("h0.err")
+    print(f"both ranks exited {seconds:.1f} s after the link went down")
+
+
+# a client inside host 0 (its loopback is its own): POST argv[2] to argv[1], print each line as it comes
+CLIENT = """
+import sys, urllib.error, urllib.request
+req = urllib.request.Request(sys.argv[1], sys.argv[2].encode(), {"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            print(line.decode().rstrip(), flush=True)
+except urllib.error.HTTPError as e:
+    print(e.code, e.read().decode(), flush=True)
+"""
+URL = "http://127.0.0.1:8000"
+
+
+@needs_cpu
+def test_serve_across_hosts_answers_then_errors_its_stream_when_the_follower_dies(smollm2_dir, tmp_path):
+    """serve.py over 2 hosts (rank 0 serves HTTP, rank 1 follows its plan): generate.py's greedy text;
+    then, with a streamed request open, the follower is killed: the stream ends with an error event
+    naming it and the server exits 1 within DEADLINE_S."""
+    single = run_script("generate.py", "--checkpoint", smollm2_dir, "--prompt", "Once upon a time",
+                        "--max_new_tokens", 16, "--no-compile", "--device", "cpu", "--dtype", "float32")
+    assert single.returncode == 0, single.stderr[-3000:]
+    flags = ["--checkpoint", smollm2_dir, "--no-compile", "--max_seq_length", 1024, "--port", 8000,
+             "--device", "cpu", "--dtype", "float32"]
+    hosts = Hosts(f"{TORCHRUN} serve.py {shlex.join(map(str, flags))}", f"flt{os.getpid()}c", tmp_path)
+    health = hosts.in_host(0, sys.executable, "-c", f"import urllib.request; urllib.request.urlopen('{URL}/health')")
+    hosts.wait_for(lambda: subprocess.run(health, capture_output=True).returncode == 0)
+
+    def post(body: dict, **popen):
+        return subprocess.Popen(hosts.in_host(0, sys.executable, "-c", CLIENT, f"{URL}/v1/completions",
+                                              json.dumps(body)), stdout=subprocess.PIPE, text=True, **popen)
+
+    reply = post({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}).communicate(timeout=120)[0]
+    assert json.loads(reply)["choices"][0]["text"] == single.stdout[:-1]
+    stream = post({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True})
+    assert stream.stdout.readline().startswith("data: {")  # the first token is out
+    server, start = hosts.rank_pid(0, "serve.py"), time.monotonic()
+    os.kill(hosts.rank_pid(1, "serve.py"), signal.SIGKILL)
+    rest = stream.communicate(timeout=DEADLINE_S)[0]
+    gone_within([server], DEADLINE_S)
+    seconds = time.monotonic() - start
+    assert seconds < DEADLINE_S
+    hosts.finish()
+    events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
+    assert events[-1] == {"error": {"message": "generation failed: lost rank 1 (host 10.77.0.2): no heartbeat for 3 s",
+                                    "type": "server_error", "param": None, "code": None}}, rest[-2000:]
+    assert rest.rstrip().endswith("data: [DONE]")
+    assert lost_lines(hosts.text("h0.err")) == ["error: lost rank 1 (host 10.77.0.2): no heartbeat for 3 s"]
+    assert "exitcode  : 1" in hosts.text("h0.err")
+    print(f"the server exited {seconds:.1f} s after the kill")
