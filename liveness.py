@@ -11,7 +11,8 @@ stderr, the callbacks (the server ends its open requests with that error), then 
 
 A collective that fails because a peer vanished (its connection closed) calls confirm(): the
 watcher then names a rank whose counter stopped SUSPECT_S ago, and the process exits with that
-line. A rank that closes normally says so (GONE), and its silence afterwards is no loss.
+line. A rank that closes normally says so (GONE): the job is ending, and no silence after that is
+a loss (the ranks, then torchrun's store, go quiet one by one).
 Plain Python: tp.py hands in the store.
 """
 import os
@@ -87,6 +88,12 @@ class Monitor:
                 return f"lost rank {r}{self.host_of(r)}: no heartbeat for {limit:.0f} s"
         return None
 
+    def forgive(self, now: float):
+        """This process could not run its threads for a while (another thread held the interpreter):
+        a store call's answer may wait unread, so its silence counts from now."""
+        if self.silent_since is not None:
+            self.silent_since = now
+
     def host_of(self, r: int) -> str:
         """` (host ADDRESS)`, with its name where it differs from this rank's; "" if unknown."""
         if r not in self.hosts:
@@ -117,8 +124,13 @@ class Monitor:
                 self.stopping.wait(BEAT_S)
 
         def watching():
+            last = self.clock()
             while not self.stopping.wait(BEAT_S / 2):
-                why = self.lost(self.clock())
+                now = self.clock()
+                if now - last > 2 * BEAT_S:
+                    self.forgive(now)
+                last = now
+                why = self.lost(now)
                 if why is not None:
                     self.declare(why)
 
@@ -152,17 +164,18 @@ def start(store, rank: int, world: int, store_host: str, store_port: int, prefix
     def excepthook(kind, value, tb):  # an uncaught failure: a lost peer is named instead of the traceback
         if _monitor is not None and issubclass(kind, Exception):
             confirm()
-            _monitor.stop(normal=False)  # a crash is no normal end: the others name this rank
+            stop(normal=False)  # a crash is no normal end: the others name this rank
         previous(kind, value, tb)
 
     sys.excepthook = excepthook
 
 
-def stop():
+def stop(normal: bool = True):
+    """Stop watching (tp.close at exit); normal: the others take this rank's silence as its end."""
     global _monitor
     if _monitor is not None:
         _monitor, monitor = None, _monitor
-        monitor.stop()
+        monitor.stop(normal)
 
 
 def on_lost(callback: Callable[[str], None]):

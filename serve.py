@@ -26,6 +26,8 @@ submits it, and receives its text through an asyncio.Queue that the engine feeds
 loop.call_soon_threadsafe. Under torchrun, rank 0 serves HTTP and sends every step's plan to the
 other ranks, which run the same forward passes on their shards; send SIGTERM to rank 0's process
 for a graceful stop (torchrun treats a SIGTERM of its own as a failure and ends every rank at once).
+A rank or host lost mid-way (liveness.py) ends the server: its open requests get an error naming
+the lost rank, and it exits with status 1.
 """
 import gc
 import signal

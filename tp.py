@@ -103,7 +103,8 @@ def split_units(model: nn.Module) -> dict:
     return units
 
 
-TIMEOUT_S = int(os.environ.get("MINILLM_TP_TIMEOUT_S", "600"))  # a collective waits this long for a missing rank
+# a collective waits this long for a late rank (one that is lost ends the wait sooner: liveness.py)
+TIMEOUT_S = int(os.environ.get("MINILLM_TP_TIMEOUT_S", "600"))
 
 
 def split_evenly(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -461,7 +462,8 @@ def init_from_env(device: str = "cpu", mode: str = "auto") -> tuple[Optional[Ten
 
     Reads torchrun's standard environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     MASTER_PORT), so it runs across nodes as well: gloo on CPU, nccl on CUDA with one device per
-    local rank. Ranks other than 0 print nothing but their own crash. One rank (torchrun
+    local rank. Ranks other than 0 print nothing but their own crash. A lost rank or host ends the
+    others within seconds, with one line naming it (watch_peers). One rank (torchrun
     --nproc_per_node=1) runs the same path with whole shards: a baseline for N > 1."""
     if "WORLD_SIZE" not in os.environ:
         return None, device

@@ -120,6 +120,19 @@ def test_a_store_call_that_hangs_counts_from_its_start(job):
     assert monitor.lost(job.now).startswith("lost host 10.77.0.1 (rank 0)")
 
 
+def test_a_process_that_could_not_run_its_threads_does_not_count_that_time(job):
+    """Another thread held the interpreter for longer than LOST_S: the store's answer may be waiting
+    unread, so its silence counts from when the watcher runs again."""
+    job.tick(2)
+    monitor = job.ranks[1]
+    monitor.silent_since = job.now
+    job.now += 2 * LOST_S
+    monitor.forgive(job.now)
+    assert monitor.lost(job.now) is None
+    job.now += LOST_S
+    assert monitor.lost(job.now) is not None
+
+
 def test_a_rank_that_ends_normally_is_not_lost(job):
     job.tick(3)
     job.ranks[1].stop()
