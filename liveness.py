@@ -16,6 +16,7 @@ a loss (the ranks, then torchrun's store, go quiet one by one).
 Plain Python: tp.py hands in the store.
 """
 import os
+import signal
 import socket
 import sys
 import threading
@@ -45,6 +46,7 @@ class Monitor:
         self.last_read: Optional[float] = None  # this rank's last successful round of reads
         self.silent_since: Optional[float] = None  # the store has not answered since (a call pending or failing)
         self.suspect = False  # a collective failed: name a stopped rank sooner
+        self.broken = False  # a store call failed: silent from then on
         self.callbacks: list = []
         self.stopping = threading.Event()
         self.threads: list = []
@@ -55,6 +57,8 @@ class Monitor:
     def beat(self):
         """Bump this rank's counter and read the others'; note when the store stops answering."""
         start = self.clock()
+        if self.broken:
+            return
         if self.silent_since is None:
             self.silent_since = start  # until this round answers
         try:
@@ -64,6 +68,7 @@ class Monitor:
                 if self.store.check([self.key("host", r)]):  # get() would wait for a rank yet to write it
                     self.hosts[r] = tuple(self.store.get(self.key("host", r)).decode().split())
         except Exception:  # noqa: BLE001: an unreachable store is what lost() looks for
+            self.broken = True  # its client does not reconnect; each failed call would log a C++ stack
             return
         now = self.clock()
         self.silent_since, self.last_read = None, now
@@ -182,6 +187,25 @@ def on_lost(callback: Callable[[str], None]):
     """callback(why) runs on the watcher's thread before the exit (the server answers its requests)."""
     if _monitor is not None:
         _monitor.callbacks.append(callback)
+
+
+def defer_sigterm():
+    """A SIGTERM while a peer is suspect (a collective failed, or the store went silent) waits up to
+    CONFIRM_S for the watcher to name it: torchrun on a host that lost host 0 ends its ranks as soon
+    as its own store connection fails, before they could say why. Any other SIGTERM ends the
+    process at once, as it would without this handler. From the main thread, before faulthandler's
+    (which chains to it)."""
+    def on_sigterm(signum, frame):
+        monitor = _monitor
+        if monitor is None or not (monitor.suspect or monitor.silent_since is not None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        monitor.suspect = True
+        threading.Timer(CONFIRM_S, os._exit, (128 + signal.SIGTERM,)).start()  # no loss named: as a SIGTERM ends
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def confirm():
