@@ -197,7 +197,9 @@ def defer_sigterm():
     (which chains to it)."""
     def on_sigterm(signum, frame):
         monitor = _monitor
-        if monitor is None or not (monitor.suspect or monitor.silent_since is not None):
+        silent = monitor is not None and monitor.silent_since is not None and \
+            monitor.clock() - monitor.silent_since > BEAT_S  # not just a beat in flight
+        if monitor is None or not (monitor.suspect or monitor.broken or silent):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
