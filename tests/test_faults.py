@@ -247,6 +247,26 @@ class Hosts:
         out, err = self.proc.communicate(timeout=120)
         return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
 
+    def stop(self):
+        """End the script (its trap ends the hosts' processes and removes the namespaces)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.communicate(timeout=60)
+
+
+@pytest.fixture
+def start_hosts(tmp_path):
+    """Hosts(command, prefix, tmp_path), stopped after the test, passed or failed."""
+    started = []
+
+    def start(command: str, prefix: str) -> Hosts:
+        started.append(Hosts(command, prefix, tmp_path))
+        return started[-1]
+
+    yield start
+    for hosts in started:
+        hosts.stop()
+
 
 def gone_within(pids: list, seconds: float) -> float:
     """Seconds until every process in pids has exited (fails past `seconds`)."""
@@ -268,21 +288,21 @@ def lost_lines(text: str) -> list:
     return [line for line in text.splitlines() if line.startswith("error: lost")]
 
 
-def generate_on_two_hosts(smollm2_dir, prefix: str, tmp_path) -> Hosts:
+def generate_on_two_hosts(smollm2_dir, prefix: str, start_hosts) -> Hosts:
     """generate.py over 2 hosts, a long greedy run, once its first tokens are out."""
     flags = ["--checkpoint", smollm2_dir, "--prompt", "Once upon a time", "--max_new_tokens", 2000,
              "--max_seq_length", 2048, "--no-compile", "--device", "cpu", "--dtype", "float32"]
-    hosts = Hosts(f"{TORCHRUN} generate.py {shlex.join(map(str, flags))}", prefix, tmp_path)
+    hosts = start_hosts(f"{TORCHRUN} generate.py {shlex.join(map(str, flags))}", prefix)
     hosts.wait_for(lambda: len(hosts.text("h0.out")) > 20)
     return hosts
 
 
 @needs_cpu
 @pytest.mark.parametrize("killed", [1, 0])
-def test_a_killed_rank_ends_its_peer_with_one_line(smollm2_dir, tmp_path, killed):
+def test_a_killed_rank_ends_its_peer_with_one_line(smollm2_dir, start_hosts, killed):
     """SIGKILL of one host's rank mid-generation: the other host's rank names it (or, for host 0,
     its host, whose torchrun and store end with it) and exits 1 within seconds."""
-    hosts = generate_on_two_hosts(smollm2_dir, f"flt{os.getpid()}a{killed}", tmp_path)
+    hosts = generate_on_two_hosts(smollm2_dir, f"flt{os.getpid()}a{killed}", start_hosts)
     other = 1 - killed
     peer = hosts.rank_pid(other, "generate.py")
     os.kill(hosts.rank_pid(killed, "generate.py"), signal.SIGKILL)
@@ -291,9 +311,9 @@ def test_a_killed_rank_ends_its_peer_with_one_line(smollm2_dir, tmp_path, killed
     assert r.returncode != 0
     err = hosts.text(f"h{other}.err")
     address = f"10.77.0.{killed + 1}"
-    assert len(lost_lines(err)) == 1 and lost_lines(err)[0] in (
-        f"error: lost rank {killed} (host {address}): no heartbeat for {SUSPECT_S:.0f} s",
-        f"error: lost host {address} (rank 0): the job's store there has not answered for {SUSPECT_S:.0f} s"), err[-3000:]
+    named = (f"error: lost rank {killed} (host {address}): no heartbeat for {SUSPECT_S:.0f} s",
+             f"error: lost host {address} (rank 0): the job's store there has not answered for {SUSPECT_S:.0f} s")
+    assert len(lost_lines(err)) == 1 and lost_lines(err)[0] in named, err[-3000:]
     assert "Traceback" not in err.split("error: lost")[0]
     if other == 0:
         assert "exitcode  : 1" in err  # torchrun's report of its rank
@@ -301,10 +321,10 @@ def test_a_killed_rank_ends_its_peer_with_one_line(smollm2_dir, tmp_path, killed
 
 
 @needs_cpu
-def test_a_host_whose_link_goes_down_is_named_on_both_sides(smollm2_dir, tmp_path):
+def test_a_host_whose_link_goes_down_is_named_on_both_sides(smollm2_dir, start_hosts):
     """`ip link set veth1 down` on host 1 mid-generation: host 0's rank names rank 1, host 1's names
     host 0 (whose store it cannot reach), both exit 1 within DEADLINE_S instead of gloo's timeout."""
-    hosts = generate_on_two_hosts(smollm2_dir, f"flt{os.getpid()}b", tmp_path)
+    hosts = generate_on_two_hosts(smollm2_dir, f"flt{os.getpid()}b", start_hosts)
     ranks = [hosts.rank_pid(0, "generate.py"), hosts.rank_pid(1, "generate.py")]
     subprocess.run(hosts.in_host(1, "ip", "link", "set", "veth1", "down"), check=True)
     seconds = gone_within(ranks, DEADLINE_S)
@@ -331,7 +351,7 @@ URL = "http://127.0.0.1:8000"
 
 
 @needs_cpu
-def test_serve_across_hosts_answers_then_errors_its_stream_when_the_follower_dies(smollm2_dir, tmp_path):
+def test_serve_across_hosts_answers_then_errors_its_stream_when_the_follower_dies(smollm2_dir, start_hosts):
     """serve.py over 2 hosts (rank 0 serves HTTP, rank 1 follows its plan): generate.py's greedy text;
     then, with a streamed request open, the follower is killed: the stream ends with an error event
     naming it and the server exits 1 within DEADLINE_S."""
@@ -340,7 +360,7 @@ def test_serve_across_hosts_answers_then_errors_its_stream_when_the_follower_die
     assert single.returncode == 0, single.stderr[-3000:]
     flags = ["--checkpoint", smollm2_dir, "--no-compile", "--max_seq_length", 1024, "--port", 8000,
              "--device", "cpu", "--dtype", "float32"]
-    hosts = Hosts(f"{TORCHRUN} serve.py {shlex.join(map(str, flags))}", f"flt{os.getpid()}c", tmp_path)
+    hosts = start_hosts(f"{TORCHRUN} serve.py {shlex.join(map(str, flags))}", f"flt{os.getpid()}c")
     health = hosts.in_host(0, sys.executable, "-c", f"import urllib.request; urllib.request.urlopen('{URL}/health')")
     hosts.wait_for(lambda: subprocess.run(health, capture_output=True).returncode == 0)
 
