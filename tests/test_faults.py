@@ -1,6 +1,7 @@
 """liveness.py: a lost rank or host ends the job within seconds, with one line naming it.
 
-The watcher's logic on a fake store and clock (no processes), then the real thing across two hosts
+The watcher's logic on a fake store and clock (no processes); a rank busy for longer than LOST_S
+that is not declared lost (torchrun on this machine); then the real thing across two hosts
 (scripts/multihost.sh's network namespaces, torchrun, gloo): a rank killed with SIGKILL, a host whose
 link goes down, and serve.py whose follower is killed under an open streamed request. The multi-host
 tests need root (ip netns) and are skipped, with the script's reason, where namespaces cannot be made.
@@ -187,6 +188,28 @@ def test_declare_prints_one_line_runs_the_callbacks_and_exits_1(job, monkeypatch
         job.ranks[0].declare("lost rank 1 (host 10.77.0.2): no heartbeat for 10 s")
     assert e.value.code == 1 and seen == ["lost rank 1 (host 10.77.0.2): no heartbeat for 10 s"]
     assert err.getvalue() == "error: lost rank 1 (host 10.77.0.2): no heartbeat for 10 s\n"
+
+
+SLOW_RANK = """
+import time, torch, torch.distributed as dist, tp
+t, _ = tp.init_from_env("cpu")
+if t.rank == 1:
+    time.sleep(3 * float(__import__("os").environ["MINILLM_TP_LOST_S"]))  # busy, as while compiling
+x = torch.ones(1)
+dist.all_reduce(x)  # rank 0 waits here all along
+print(f"rank {t.rank}: {int(x.item())}", flush=True)
+"""
+
+
+def test_a_slow_rank_is_not_lost(tmp_path):
+    """A rank busy for three times LOST_S (its main thread asleep, as in a long compile) while the
+    other waits in a collective: its thread beats on, nobody is declared lost, the job ends 0."""
+    (tmp_path / "slow.py").write_text(SLOW_RANK)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MINILLM_TP_LOST_S="2", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        tmp_path / "slow.py"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "error: lost" not in r.stderr, r.stderr[-3000:]
+    assert r.stdout == "rank 0: 2\n"  # rank 1 is quiet (tp.quiet)
 
 
 # ---------------------------------------------------------------- across two hosts (network namespaces)
