@@ -189,38 +189,28 @@ def on_lost(callback: Callable[[str], None]):
         _monitor.callbacks.append(callback)
 
 
-def defer_sigterm():
-    """A SIGTERM while a peer is suspect (a collective failed, or the store went silent) waits up to
-    CONFIRM_S for the watcher to name it: torchrun on a host that lost host 0 ends its ranks as soon
-    as its own store connection fails, before they could say why. Any other SIGTERM ends the
-    process at once, as it would without this handler. From the main thread, before faulthandler's
-    (which chains to it)."""
-    def on_sigterm(signum, frame):
-        monitor = _monitor
-        silent = monitor is not None and monitor.silent_since is not None and \
-            monitor.clock() - monitor.silent_since > BEAT_S  # not just a beat in flight
-        if monitor is None or not (monitor.suspect or monitor.broken or silent):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        monitor.suspect = True
-        threading.Timer(CONFIRM_S, os._exit, (128 + signal.SIGTERM,)).start()  # no loss named: as a SIGTERM ends
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-
 def confirm():
     """A collective failed: if a peer was lost, name it and exit (the watcher does, within
-    CONFIRM_S); return when every peer still beats, the failure being something else."""
+    CONFIRM_S); return when every peer still beats, the failure being something else. Meanwhile a
+    SIGTERM waits for the verdict: torchrun on a host that lost host 0 ends its ranks as soon as
+    its own store connection fails, before they could say why."""
     monitor = _monitor
     if monitor is None:
         return
     monitor.suspect = True
-    deadline = time.monotonic() + CONFIRM_S
-    while time.monotonic() < deadline:
-        time.sleep(BEAT_S / 4)
-    monitor.suspect = False
+    held = []  # the SIGTERMs that came meanwhile
+    main = threading.current_thread() is threading.main_thread()  # where a signal handler can be set
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum)) if main else None
+    try:
+        deadline = time.monotonic() + CONFIRM_S
+        while time.monotonic() < deadline:
+            time.sleep(BEAT_S / 4)
+    finally:
+        monitor.suspect = False
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    if held:  # no loss named: the SIGTERM as it would have ended this process
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def describe_host(store_host: str, store_port: int) -> str:

@@ -469,7 +469,6 @@ def init_from_env(device: str = "cpu", mode: str = "auto") -> tuple[Optional[Ten
         return None, device
     # a rank that crashes below Python (SIGABRT, SIGSEGV), joining the group included, names its Python line
     faulthandler.enable(sys.__stderr__)
-    liveness.defer_sigterm()
     if os.environ.get("MINILLM_TP_STACKS") == "1":  # where a rank was when torchrun ended the job (tests)
         faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)
     world = int(os.environ["WORLD_SIZE"])

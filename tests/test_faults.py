@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -154,26 +155,20 @@ def test_a_peer_on_another_machine_is_named_with_its_host_name(job):
     assert job.ranks[0].lost(job.now).startswith("lost rank 1 (host node7, 10.77.0.2): ")
 
 
-def test_a_sigterm_waits_for_the_verdict_only_while_a_peer_is_suspect(job, monkeypatch):
-    """torchrun ends a rank with SIGTERM when its store connection fails: while a peer is suspect the
-    rank waits (up to CONFIRM_S) for the watcher to name it; any other SIGTERM ends it at once."""
-    kills, timers = [], []
+def test_a_sigterm_during_confirm_waits_for_the_verdict(job, monkeypatch):
+    """torchrun ends a rank with SIGTERM when its store connection fails: while confirm() waits for
+    the watcher, a SIGTERM is held, then delivered as before when no loss was named; outside
+    confirm() the handler is the one it was."""
+    real_kill, kills = os.kill, []
     monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))
-    monkeypatch.setattr(liveness.threading, "Timer", lambda s, f, args: type("T", (), {
-        "start": lambda self: timers.append((s, f, args))})())
-    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(liveness, "CONFIRM_S", 0.5)
+    monkeypatch.setattr(liveness, "_monitor", job.ranks[0])
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        liveness.defer_sigterm()
-        on_sigterm = signal.getsignal(signal.SIGTERM)
-        monkeypatch.setattr(liveness, "_monitor", job.ranks[1])
-        job.tick(2)
-        on_sigterm(signal.SIGTERM, None)  # every peer beats: end now
-        assert kills == [signal.SIGTERM] and timers == []
-        job.store.up = False
-        job.tick(1)
-        on_sigterm(signal.SIGTERM, None)  # the store went silent: wait for the verdict
-        assert kills == [signal.SIGTERM] and timers == [(liveness.CONFIRM_S, os._exit, (128 + signal.SIGTERM,))]
-        assert job.ranks[1].suspect
+        threading.Timer(0.1, real_kill, (os.getpid(), signal.SIGTERM)).start()
+        liveness.confirm()
+        assert kills == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert not job.ranks[0].suspect
     finally:
         signal.signal(signal.SIGTERM, before)
 
