@@ -23,6 +23,7 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 
 import kernels
+import liveness
 import warmup
 from blocks import BlockManager
 from checkpoint import huge_page_zeros
@@ -229,6 +230,7 @@ class Engine:
                 self.broadcast(plan.wire())
             out = self.run(plan)
         except Exception as e:  # a fault in the forward pass ends the requests in it, not the engine
+            liveness.confirm()  # unless a rank was lost: then this process ends, naming it
             log(f"engine: step failed ({type(e).__name__}: {e})")
             for req in set(plan.requests + plan.chunk_requests):
                 self.scheduler.finish(req, "error", f"{type(e).__name__}: {e}")

@@ -11,6 +11,8 @@ import sys
 import threading
 from pathlib import Path
 
+import liveness
+
 
 class UserError(Exception):
     """Bad input from the user (a flag, a file, a checkpoint); the message is meant for them."""
@@ -85,6 +87,7 @@ def run_cli(main, argv=None):
         code = 130
     if any(t.name == "compile" and t.is_alive() for t in threading.enumerate()):
         # a thread still in the compiler (warmup.compile_aside) makes the interpreter's shutdown abort
+        liveness.stop()  # as tp.close would at exit: the other ranks take this one's silence as its end
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -26,6 +26,8 @@ submits it, and receives its text through an asyncio.Queue that the engine feeds
 loop.call_soon_threadsafe. Under torchrun, rank 0 serves HTTP and sends every step's plan to the
 other ranks, which run the same forward passes on their shards; send SIGTERM to rank 0's process
 for a graceful stop (torchrun treats a SIGTERM of its own as a failure and ends every rank at once).
+A rank or host lost mid-way (liveness.py) ends the server: its open requests get an error naming
+the lost rank, and it exits with status 1.
 """
 import gc
 import signal
@@ -46,6 +48,7 @@ import torch
 
 import checkpoint
 import kernels
+import liveness
 import warmup
 from engine import BLOCK_SIZE, Engine, log
 from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype, preflight
@@ -233,6 +236,7 @@ def main(argv=None):
         warm_up(engine, aside=True)
     if tp is not None and not lead_or_follow(engine, tp):
         return
+    liveness.on_lost(lambda why: engine.abort_all("error", why))  # a lost rank: the open requests get its error
     if args.compile and not aside:  # CUDA graphs are recorded with the device to themselves
         warm_up(engine)
     serve(args, engine, tokenizer)

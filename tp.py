@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+import liveness
 from choices import TP_MODES as MODES
 from errors import TPError, UserError
 
@@ -102,7 +103,8 @@ def split_units(model: nn.Module) -> dict:
     return units
 
 
-TIMEOUT_S = int(os.environ.get("MINILLM_TP_TIMEOUT_S", "600"))  # a collective waits this long for a missing rank
+# a collective waits this long for a late rank (one that is lost ends the wait sooner: liveness.py)
+TIMEOUT_S = int(os.environ.get("MINILLM_TP_TIMEOUT_S", "600"))
 
 
 def split_evenly(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -464,7 +466,8 @@ def init_from_env(device: str = "cpu", mode: str = "auto") -> tuple[Optional[Ten
 
     Reads torchrun's standard environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     MASTER_PORT), so it runs across nodes as well: gloo on CPU, nccl on CUDA with one device per
-    local rank. Ranks other than 0 print nothing but their own crash. One rank (torchrun
+    local rank. Ranks other than 0 print nothing but their own crash. A lost rank or host ends the
+    others within seconds, with one line naming it (watch_peers). One rank (torchrun
     --nproc_per_node=1) runs the same path with whole shards: a baseline for N > 1."""
     if "WORLD_SIZE" not in os.environ:
         return None, device
@@ -488,7 +491,20 @@ def init_from_env(device: str = "cpu", mode: str = "auto") -> tuple[Optional[Ten
     atexit.register(close)
     if rank != 0:
         quiet()
+    if world > 1:
+        watch_peers(rank, world)
     return TensorParallel(rank, world, device=device, mode=mode), device
+
+
+def watch_peers(rank: int, world: int):
+    """Heartbeats through a client of this rank's own to the job's store (liveness.py): a lost rank
+    or host ends every other rank in seconds with one line, not the collectives' TIMEOUT_S."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=liveness.LOST_S),
+                          wait_for_workers=False)
+    # torchrun's store outlives a restart of the workers: each attempt counts afresh
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    liveness.start(store, rank, world, host, port, prefix=f"minillm/liveness/{attempt}")
 
 
 def all_ranks(flag: bool) -> bool:
@@ -505,6 +521,7 @@ def close():
     tensors, asks the finalizing interpreter for the GIL, is ended by pthread_exit, and that
     unwinding through the tensors' noexcept destructor aborts the process ("terminate called
     without an active exception")."""
+    liveness.stop()  # first: a rank that ends on purpose is no lost rank
     if dist.is_initialized():
         dist.destroy_process_group()
 

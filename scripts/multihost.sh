@@ -13,8 +13,9 @@
 # so that its variables expand on each host) runs on every host at once, from this directory, with
 #   HOST_RANK=i  NUM_HOSTS=N  HOST_ADDR=10.77.0.<i+1>  MASTER_ADDR=10.77.0.1 (host 0)
 #   MASTER_PORT=29400  GLOO_SOCKET_IFNAME=veth<i> (gloo's links go over the veth, not loopback)
-# Once a host's command fails, the others are ended after -g SECONDS (default 30): ranks waiting
-# for a lost host would otherwise wait out torchrun's and the collectives' timeouts.
+# Once a host's command fails, the others are ended after -g SECONDS (default 30): the ranks end
+# themselves when they lose a peer (liveness.py), but torchrun on a host that lost host 0 waits on
+# its rendezvous store there for minutes after its ranks have exited.
 # Each host's stdout and stderr are printed when all have ended, each line prefixed [h<i>], and kept
 # in DIR/h<i>.out, .err, .status with -o, and veth<i>'s counters at the end in DIR/h<i>.link (`ip -j
 # -s link`: the bytes and packets the host sent and received); then one line per host gives its exit status.
