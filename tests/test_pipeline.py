@@ -16,7 +16,6 @@ from memory import weight_bytes
 from pipeline import Stage, StageFile
 from test_tp import job_log, torchrun
 
-INT8 = "checkpoints/smollm2-135m-int8"
 FLAGS = ["--prompt", "The capital of France is", "--max_new_tokens", 16]
 
 
@@ -26,6 +25,15 @@ def single_process_text(ckpt, *extra) -> str:
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(r.stdout) > 20
     return r.stdout
+
+
+@pytest.fixture(scope="module")
+def int8_dir(smollm2_dir, tmp_path_factory):
+    """SmolLM2-135M quantized to int8 (a clean checkout has only the float checkpoint)."""
+    out = tmp_path_factory.mktemp("int8") / "smollm2-135m-int8"
+    r = run_script("quantize.py", "--checkpoint", smollm2_dir, "--mode", "int8", "--out", out, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
 
 
 def stage(index: int, stages: int = 2) -> Stage:
@@ -58,10 +66,10 @@ def test_too_many_stages_are_refused(smollm2_dir):
 
 
 @pytest.mark.parametrize("ckpt", ["float32", "int8"])
-def test_pp2_text_is_single_process_text(smollm2_dir, tmp_path, ckpt):
+def test_pp2_text_is_single_process_text(smollm2_dir, tmp_path, ckpt, request):
     """Two stages of 15 layers print one process's greedy text, once; each rank holds its layers and
     its end of the model: the two together hold the whole model and the tied table once more."""
-    path = smollm2_dir if ckpt == "float32" else INT8
+    path = smollm2_dir if ckpt == "float32" else request.getfixturevalue("int8_dir")
     metrics = tmp_path / "m.json"
     r = torchrun(2, "generate.py", "--checkpoint", path, *FLAGS, "--no-compile", "--pp", 2,
                  "--metrics_json", metrics, timeout=300)
@@ -86,13 +94,13 @@ def test_pp2_compiled_text_is_single_process_text(smollm2_dir):
     assert r.stdout == single_process_text(smollm2_dir)
 
 
-def test_tp2_pp2_text_is_single_process_text(smollm2_dir, tmp_path):
+def test_tp2_pp2_text_is_single_process_text(int8_dir, tmp_path):
     """4 ranks: 2 stages, each split over its own 2 tensor-parallel ranks."""
     metrics = tmp_path / "m.json"
-    r = torchrun(4, "generate.py", "--checkpoint", INT8, *FLAGS, "--no-compile", "--pp", 2,
+    r = torchrun(4, "generate.py", "--checkpoint", int8_dir, *FLAGS, "--no-compile", "--pp", 2,
                  "--metrics_json", metrics, timeout=300)
     assert r.returncode == 0, job_log(r)
-    assert r.stdout == single_process_text(INT8)
+    assert r.stdout == single_process_text(int8_dir)
     (m,) = json.loads(metrics.read_text())
     assert m["tp_world_size"] == 2 and m["pp_stages"] == 2 and len(m["weight_bytes_per_rank"]) == 4
 
