@@ -1060,11 +1060,19 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       return true;
     }
     const int64_t* sp = sc.data_ptr<int64_t>() + b * S;
-    const int64_t pool = k.size(0) * block_size;
+    const int64_t pool = k.size(0) * block_size, block_stride = k.stride(0);
     bool inside = true;
+    if ((block_size & (block_size - 1)) == 0) {  // a power of two: shifts, not a division a key
+      const int shift = __builtin_ctzll(block_size);
+      for (int64_t s = 0; s < S; ++s) {
+        inside &= sp[s] >= 0 && sp[s] < pool;
+        off[s] = (sp[s] >> shift) * block_stride + (sp[s] & (block_size - 1)) * key_stride;
+      }
+      return inside;
+    }
     for (int64_t s = 0; s < S; ++s) {
       inside &= sp[s] >= 0 && sp[s] < pool;
-      off[s] = sp[s] / block_size * k.stride(0) + sp[s] % block_size * key_stride;
+      off[s] = sp[s] / block_size * block_stride + sp[s] % block_size * key_stride;
     }
     return inside;
   };
