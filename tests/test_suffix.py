@@ -129,3 +129,71 @@ def test_the_store_drops_the_least_recently_used_past_its_cap():
 def test_bad_options_are_refused(options):
     with pytest.raises(ValueError):
         SuffixIndex(**options)
+
+
+# ---------------------------------------------------------------- with a model
+
+REPEAT = ("Repeat this list exactly, one item per line: apples, bread, cheese, dates, eggs, flour, grapes, "
+          "honey, ice cream, jam.")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    from loading import load_model
+    from tokenizer import Tokenizer
+    model, tok = load_model(smollm2_dir), Tokenizer(smollm2_dir)
+    return model, tok, tok.encode(tok.apply_chat_template([{"role": "user", "content": REPEAT}]), add_bos=False)
+
+
+def suffix_engine(model, k):
+    from engine import Engine
+    from proposers import SuffixProposer
+    from speculative import SpeculativeEngine
+    return SpeculativeEngine(Engine(model, 1, 256), SuffixProposer(), k)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_suffix_greedy_is_token_identical_on_smollm2(smollm2):
+    from sampling import Sampling
+    from test_speculative import plain_greedy
+    model, tok, ids = smollm2
+    expected = plain_greedy(model, ids, 40, tok.eos_ids, max_seq_length=256)
+    spec = suffix_engine(model, 8)
+    (out,), first = spec.generate([ids], 40, Sampling(), tok.eos_ids)
+    assert out == expected
+    assert spec.metrics(first)["tokens_per_target_forward"] > 1.5  # the answer copies the list
+    (out,), again = spec.generate([ids], 40, Sampling(), tok.eos_ids)  # the same task: the stored output hits
+    assert out == expected and again.target_forwards < first.target_forwards, (again, first)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_suffix_sampling_is_verified_by_rejection_sampling(smollm2):
+    import torch
+    from sampling import Sampling
+    model, tok, ids = smollm2
+    spec = suffix_engine(model, 4)
+    torch.manual_seed(0)
+    (out,), stats = spec.generate([ids], 24, Sampling(temperature=0.7, top_p=0.9), tok.eos_ids)
+    assert 0 < len(out) <= 24 and sum(stats.histogram) > 0 and stats.proposed > 0
+
+
+def test_cli_suffix_end_to_end(smollm2_dir, tmp_path):
+    from conftest import run_script
+    mj = tmp_path / "m.json"
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--chat", "--prompt", REPEAT, "--suffix",
+                   "--speculate_k", "6", "--max_new_tokens", "24", "--no-compile", "--compare_plain",
+                   "--num_samples", "2", "--metrics_json", mj)
+    assert r.returncode == 0, r.stderr
+    first, second = json.loads(mj.read_text())
+    assert first["proposer"] == "suffix" and first["identical_to_plain"] and second["identical_to_plain"]
+    assert second["tokens_per_target_forward"] > first["tokens_per_target_forward"] > 1
+
+
+@pytest.mark.parametrize("rest", [["--suffix", "--ngram", "2"], ["--suffix", "--batch_size", "2"],
+                                  ["--suffix", "--pp", "2"]], ids=["with ngram", "batch", "pipeline"])
+def test_cli_suffix_errors_are_one_line(rest, smollm2_dir):
+    from conftest import run_script
+    r = run_script("generate.py", "--checkpoint", smollm2_dir, "--no-compile", "--max_new_tokens", "4", *rest)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
