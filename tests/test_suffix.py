@@ -1,12 +1,23 @@
 """suffix.py and the suffix proposer: the trie's counts (built incrementally, removed exactly), the
-longest match, the most frequent continuation and where it stops, the store's cap and LRU order;
-greedy output with the proposer token-identical to plain decoding on SmolLM2, sampling verified
-as any point-mass proposal is, and the command line."""
+longest match, the most frequent continuation and where it stops, the store's cap and LRU order (in
+plain Python); greedy output token-identical to plain decoding (a random model; SmolLM2 asked to
+repeat a list, then the same task again, proposed from the stored output), the sampled distribution
+the target's, and the command line."""
 import json
 
 import pytest
+import torch
 
+from conftest import TEST_DEVICE, random_model, run_script
+from engine import Engine
+from loading import load_model
+from proposers import SuffixProposer
+from sampling import Sampling
+from speculative import SpeculativeEngine
 from suffix import SuffixIndex, SuffixTrie
+from test_speculative import (PROMPTS, RUNS, SAMPLE_PROMPT, SAMPLINGS, chi_square_p_value, exact_distribution,
+                              plain_greedy, sampled_counts, small_vocab_pair)
+from tokenizer import Tokenizer
 
 
 def trie_of(*sequences, depth=4) -> SuffixTrie:
@@ -133,29 +144,46 @@ def test_bad_options_are_refused(options):
 
 # ---------------------------------------------------------------- with a model
 
-REPEAT = ("Repeat this list exactly, one item per line: apples, bread, cheese, dates, eggs, flour, grapes, "
-          "honey, ice cream, jam.")
+def suffix_engine(model, k, max_seq_length=256, **options):
+    return SpeculativeEngine(Engine(model, 1, max_seq_length), SuffixProposer(**options), k)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_suffix_greedy_is_token_identical_on_a_random_model(k):
+    target = random_model(seed=0, device=TEST_DEVICE)
+    expected = [plain_greedy(target, prompt, 24) for prompt in PROMPTS]
+    spec = suffix_engine(target, k, 128, min_prob=0.0)  # propose wherever anything matches
+    for prompt, want in [*zip(PROMPTS, expected)] * 2:  # the second time, earlier outputs are in the store
+        (out,), stats = spec.generate([prompt], 24, Sampling())
+        assert out == want
+    assert stats.proposed > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_suffix_sampling_matches_the_target_distribution():
+    """Proposals from this call's context and from earlier samples' outputs are point masses: the
+    rejection sampling keeps the target's distribution (the chi-square check of test_speculative)."""
+    target, _ = small_vocab_pair()
+    spec = suffix_engine(target, 2, 32, min_prob=0.0)
+    counts = sampled_counts(spec, SAMPLE_PROMPT, SAMPLINGS["t=1"], RUNS)
+    exact = exact_distribution(target, SAMPLE_PROMPT, SAMPLINGS["t=1"])
+    assert spec.proposer.index.stored  # earlier samples were there to propose from
+    p = min(chi_square_p_value(counts, exact), chi_square_p_value(counts.sum(0), exact.sum(0)))
+    assert p > 1e-3 / 2, p
+
+
+REPEAT = "Repeat this list exactly: apples, bread, cheese, dates, eggs, flour, grapes, honey, ice cream, jam."
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    from loading import load_model
-    from tokenizer import Tokenizer
     model, tok = load_model(smollm2_dir), Tokenizer(smollm2_dir)
     return model, tok, tok.encode(tok.apply_chat_template([{"role": "user", "content": REPEAT}]), add_bos=False)
 
 
-def suffix_engine(model, k):
-    from engine import Engine
-    from proposers import SuffixProposer
-    from speculative import SpeculativeEngine
-    return SpeculativeEngine(Engine(model, 1, 256), SuffixProposer(), k)
-
-
 @pytest.mark.usefixtures("one_thread")
 def test_suffix_greedy_is_token_identical_on_smollm2(smollm2):
-    from sampling import Sampling
-    from test_speculative import plain_greedy
     model, tok, ids = smollm2
     expected = plain_greedy(model, ids, 40, tok.eos_ids, max_seq_length=256)
     spec = suffix_engine(model, 8)
@@ -168,8 +196,6 @@ def test_suffix_greedy_is_token_identical_on_smollm2(smollm2):
 
 @pytest.mark.usefixtures("one_thread")
 def test_suffix_sampling_is_verified_by_rejection_sampling(smollm2):
-    import torch
-    from sampling import Sampling
     model, tok, ids = smollm2
     spec = suffix_engine(model, 4)
     torch.manual_seed(0)
@@ -178,7 +204,6 @@ def test_suffix_sampling_is_verified_by_rejection_sampling(smollm2):
 
 
 def test_cli_suffix_end_to_end(smollm2_dir, tmp_path):
-    from conftest import run_script
     mj = tmp_path / "m.json"
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--chat", "--prompt", REPEAT, "--suffix",
                    "--speculate_k", "6", "--max_new_tokens", "24", "--no-compile", "--compare_plain",
@@ -192,7 +217,6 @@ def test_cli_suffix_end_to_end(smollm2_dir, tmp_path):
 @pytest.mark.parametrize("rest", [["--suffix", "--ngram", "2"], ["--suffix", "--batch_size", "2"],
                                   ["--suffix", "--pp", "2"]], ids=["with ngram", "batch", "pipeline"])
 def test_cli_suffix_errors_are_one_line(rest, smollm2_dir):
-    from conftest import run_script
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--no-compile", "--max_new_tokens", "4", *rest)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
