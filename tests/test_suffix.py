@@ -135,7 +135,7 @@ def test_the_store_drops_the_least_recently_used_past_its_cap():
     assert nothing.stored == {} and all_counts(nothing.trie) == brute_counts([b], 4)
 
 
-@pytest.mark.parametrize("options", [dict(depth=1), dict(min_match=0), dict(min_match=16), dict(min_prob=2),
+@pytest.mark.parametrize("options", [dict(depth=1), dict(min_match=0), dict(min_match=8), dict(min_prob=2),
                                      dict(store_tokens=-1)])
 def test_bad_options_are_refused(options):
     with pytest.raises(ValueError):
