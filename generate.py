@@ -4,6 +4,7 @@
     python generate.py --checkpoint checkpoints/smollm2-135m --chat --prompt "What is a KV cache?"
     python generate.py --checkpoint checkpoints/smollm2-135m --interactive
     python generate.py --checkpoint checkpoints/smollm2-135m --ngram 3 --chat --prompt "..."
+    python generate.py --checkpoint checkpoints/smollm2-135m --suffix --chat --prompt "..."
     python generate.py --checkpoint checkpoints/smollm2-135m --chat --prompt "A person as JSON" --json_schema person.json
     python generate.py --shape llama-2-7b --quantize int4-g32 --device cuda --max_new_tokens 256 --ignore_eos
     torchrun --nproc_per_node=2 generate.py --checkpoint checkpoints/smollm2-135m --prompt "..."
@@ -136,7 +137,7 @@ def parse_args(argv=None):
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if args.quantize:
         shapes.parse_quantization(args.quantize)
-    if (args.draft_checkpoint or args.ngram) and (args.batch_size > 1 or (args.prompt and len(args.prompt) > 1)):
+    if generate_args.proposer_flags(args) and (args.batch_size > 1 or (args.prompt and len(args.prompt) > 1)):
         raise UserError(ONE_SEQUENCE)
     return args
 
@@ -217,7 +218,7 @@ def cache_length(args, config: ModelArgs, prompts) -> int:
         return min(4096, context)
     else:
         longest = max(len(p) for p in prompts)
-        spare = args.speculate_k if args.draft_checkpoint or args.ngram is not None else 0
+        spare = args.speculate_k if generate_args.proposer_flags(args) else 0
         need = longest + args.max_new_tokens + spare
         asked = f"the prompt ({longest} tokens) + --max_new_tokens ({args.max_new_tokens})" + \
             (f" + --speculate_k ({spare})" if spare else "")
@@ -344,6 +345,8 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
                    int(args.prompt_cache_gb * 2 ** 30))
     if args.ngram is not None:
         proposer = proposers.NgramProposer(args.ngram)
+    elif args.suffix:
+        proposer = proposers.SuffixProposer()
     elif args.draft_checkpoint:  # under torchrun every rank holds the whole (small) draft
         draft = load(tp, args.draft_checkpoint, device, draft_dtype, shard=False)
         log(f"loaded draft {args.draft_checkpoint} "

@@ -106,6 +106,10 @@ def add_speculation_args(p):
     p.add_argument("--ngram", type=int, default=None, metavar="N",
                    help="speculative decoding by prompt lookup: propose what followed the most recent earlier "
                         "occurrence of the last N tokens (then N-1, ..., 1) in the prompt and output")
+    p.add_argument("--suffix", action="store_true",
+                   help="speculative decoding by suffix matching (SuffixDecoding; suffix.py): propose the most "
+                        "frequent continuation of the longest suffix seen earlier in the prompt and output, and in "
+                        "earlier samples' and chat turns' prompts and outputs; nothing where none is likely enough")
     p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per round, at most (default: 5)")
     p.add_argument("--adaptive_k", action=argparse.BooleanOptionalAction, default=True,
                    help="adapt the tokens proposed per round to recent acceptance: twice as many after a "
@@ -115,6 +119,11 @@ def add_speculation_args(p):
                    help="with speculation: also decode without it and print both speeds (and, greedy, "
                         "whether the outputs are identical)")
 
+
+def proposer_flags(args) -> list:
+    """The speculative-decoding proposers asked for (one at most is allowed)."""
+    return [flag for flag, on in (("--draft_checkpoint", args.draft_checkpoint), ("--ngram", args.ngram is not None),
+                                  ("--suffix", args.suffix)) if on]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +152,7 @@ def check_args(args):
     if args.shape:
         text_only = [flag for flag, on in (("--prompt", args.prompt), ("--chat", args.chat),
                                           ("--interactive", args.interactive), ("--stop", args.stop),
-                                          ("--draft_checkpoint", args.draft_checkpoint), ("--ngram", args.ngram),
+                                          *((flag, True) for flag in proposer_flags(args)),
                                           ("--json", args.json or args.json_schema or args.regex or args.grammar))
                      if on]
         if text_only:
@@ -165,15 +174,16 @@ def check_args(args):
         raise UserError("--max_seq_length must be at least 2")
     if args.prompt and len(args.prompt) > 1 and args.batch_size > 1:
         raise UserError("give either several --prompt or --batch_size, not both")
-    if args.draft_checkpoint and args.ngram is not None:
-        raise UserError("give either --draft_checkpoint or --ngram, not both")
+    if len(proposer_flags(args)) > 1:
+        given = " and ".join(proposer_flags(args))
+        raise UserError(f"give one of --draft_checkpoint, --ngram and --suffix, not {given}")
     if args.ngram is not None and args.ngram < 1:
         raise UserError("--ngram must be at least 1")
     if args.pp < 1:
         raise UserError("--pp must be at least 1")
     if args.microbatches != 1 and (args.microbatches < 1 or args.pp == 1):
         raise UserError("--microbatches goes with --pp and must be at least 1")
-    if args.pp > 1 and (args.draft_checkpoint or args.ngram is not None or args.prompt_cache or args.shape):
+    if args.pp > 1 and (proposer_flags(args) or args.prompt_cache or args.shape):
         raise UserError("--pp runs a --checkpoint without speculative decoding or --prompt_cache")
     if args.speculate_k < 1:
         raise UserError("--speculate_k must be at least 1")

@@ -9,6 +9,9 @@ Proposers:
   all, the round is a plain one-token decoding step of the target (no proposal, no verify).
   A match near the end is continued by copying what it proposes itself (as LZ77 does), so
   a repeating pattern still yields k tokens.
+- `SuffixProposer` (SuffixDecoding, Oliaro et al. 2024): the most frequent continuation of the
+  longest suffix seen earlier in the prompt, the output, or earlier calls' prompts and outputs,
+  counted in a trie (suffix.py); it proposes nothing where no continuation is likely enough.
 """
 from abc import ABC, abstractmethod
 from typing import Callable, Optional
@@ -21,6 +24,7 @@ from errors import UserError
 from grammar import allow_tokens
 from model import ForwardBatch, Transformer
 from sampling import Sampling, logits_to_probs, sample_probs
+from suffix import SuffixIndex
 
 
 def draft_chunk(model: Transformer, tokens: list, start: int):
@@ -136,6 +140,26 @@ class NgramProposer(Proposer):
                     out.append(context[start + i] if start + i < length else out[start + i - length])
                 return out, None
         return [], None
+
+
+class SuffixProposer(Proposer):
+    """Follow the most frequent continuation of the context's longest suffix seen before, in this
+    call's prompt and output and in earlier calls' (kept up to a cap of tokens: `SuffixIndex`)."""
+
+    name = "suffix"
+
+    def __init__(self, **options):
+        try:
+            self.index = SuffixIndex(**options)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    def start(self, context: list, sampling: Optional[Sampling] = None):
+        self.index.start(context)
+
+    def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
+        """Up to k proposed ids (none when no continuation is likely enough) and q = None (a point mass)."""
+        return self.index.continuation(context, k), None
 
 
 class DraftProposer(Proposer):

@@ -6,7 +6,7 @@ in one forward pass over k + 1 positions, and the output is exactly what the tar
     python generate.py --checkpoint checkpoints/smollm2-135m --ngram 3 --speculate_k 8 --chat \\
         --prompt "Fix the typo in this sentence: ..."
 
-Proposers (proposers.py): a draft model, or prompt lookup (n-grams).
+Proposers (proposers.py): a draft model, prompt lookup (n-grams), or suffix matching (suffix.py).
 
 Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. d_k]:
 - greedy: accept the longest prefix of proposals equal to the target's argmax, then the
@@ -14,7 +14,7 @@ Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. 
 - sampling: Leviathan et al. 2023 (Algorithm 1) / Chen et al. 2023: accept d_i with probability
   min(1, p(d_i) / q(d_i)); on rejection sample from norm(max(p - q, 0)); when all are accepted,
   sample a bonus token from p. p and q are the processed distributions (temperature, top-k,
-  top-p: `sampling.logits_to_probs`) of target and draft. An n-gram proposal is a point mass
+  top-p: `sampling.logits_to_probs`) of target and draft. An n-gram or suffix proposal is a point mass
   (q = one-hot): accept with probability p(d), on rejection sample from p with d removed.
 
 Structured output, penalties, logit_bias, logprobs (`speculative_decode_host`): the verify
@@ -355,7 +355,7 @@ class SpeculativeEngine:
                 n += 1
             next_token = target[n]
         else:
-            if q is None:  # an n-gram proposal is a point mass
+            if q is None:  # an n-gram or suffix proposal is a point mass
                 q = torch.zeros(proposed, target.shape[-1], device=device).scatter_(
                     1, torch.tensor(drafts, device=device).view(-1, 1), 1.0)
             n, next_token = accept_sampled(target, q, drafts)

@@ -4,6 +4,9 @@ Cases (--case, default: all that can run):
   ngram  prompt lookup (generate.py --ngram 3 --speculate_k 8) with SmolLM2-135M-Instruct on
          input-grounded prompts: edit, fix or reformat a passage given in the prompt.
          Needs: python download.py smollm2-135m
+  suffix the suffix proposer (generate.py --suffix --speculate_k 8) on the ngram case's prompts; each
+         run starts with an empty store, so no run proposes from another's output.
+         Needs: python download.py smollm2-135m
   qwen   Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct on code prompts
          (generate.py --draft_checkpoint ... --speculate_k 5).
          Needs: python download.py qwen2.5-coder-0.5b && python download.py qwen2.5-coder-1.5b
@@ -114,6 +117,7 @@ OPEN = [
 
 CASES = {
     "ngram": dict(target="smollm2-135m", draft=None, ngram=3, k=8, prompts=GROUNDED),
+    "suffix": dict(target="smollm2-135m", draft=None, ngram=None, k=8, prompts=GROUNDED),
     "qwen": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", ngram=None, k=5, prompts=CODE),
     "qwen-int8": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b-int8", ngram=None, k=5, prompts=CODE),
     "int4": dict(target="smollm2-135m", draft="smollm2-135m-int4-g32", ngram=None, k=5, prompts=GROUNDED + OPEN),
@@ -155,8 +159,10 @@ def run_case(name: str, args) -> dict:
     if case["draft"]:
         draft = load_model(CHECKPOINTS / case["draft"], dtype=DTYPES[args.draft_dtype])
         proposer = proposers.DraftProposer(draft, compile=args.compile)
-    else:
+    elif case["ngram"]:
         proposer = proposers.NgramProposer(case["ngram"], args.ngram_min)
+    else:  # no store: a run finds only its own prompt and output
+        proposer = proposers.SuffixProposer(store_tokens=0)
     spec = speculative.SpeculativeEngine(engine, proposer, k, compile=args.compile)
     sampling = Sampling()
     start = time.perf_counter()
@@ -193,7 +199,7 @@ def run_case(name: str, args) -> dict:
                             + ("" if x["identical"] else "  OUTPUT DIFFERS")
                             for mode, x in ((mode, run[mode]) for mode in modes)))
     plain_tps = sum(x["plain_tokens"] for x in runs) / sum(x["plain_s"] for x in runs)
-    proposer_name = case["draft"] or f"ngram {case['ngram']}"
+    proposer_name = case["draft"] or (f"ngram {case['ngram']}" if case["ngram"] else "suffix")
     if case["draft"] and args.draft_dtype != "float32":
         proposer_name += f" ({args.draft_dtype})"
     result = dict(case=name, target=case["target"], draft=proposer_name, k=k, prompts=len(ids),
