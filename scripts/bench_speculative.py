@@ -150,7 +150,7 @@ def missing_checkpoint(case: dict):
     """Why the case cannot run here (the command that prepares what it lacks), or None."""
     for checkpoint in filter(None, (case["target"], case["draft"])):
         if not (CHECKPOINTS / checkpoint / "config.json").exists():
-            return f"checkpoints/{checkpoint} is missing: {NEEDS[checkpoint]}"
+            return f"checkpoints/{checkpoint} is missing: {NEEDS.get(checkpoint, 'see --help')}"
     return None
 
 
