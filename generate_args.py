@@ -33,19 +33,7 @@ def add_model_args(p):
                         "the weights and let inductor generate its own GEMM kernels "
                         "(fastest decode, especially in bfloat16, but every run compiles for minutes); "
                         "on CUDA, max-autotune")
-    p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
-                   help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
-                        "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
-                        "fewer collectives, but a quantized model's text may drift from one process's; "
-                        "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
-    p.add_argument("--pp", type=int, default=1, metavar="N",
-                   help="under torchrun: split the layers into N pipeline stages, each on its own ranks "
-                        "(world = tp x pp: torchrun's ranks divided by N form each stage's tensor-parallel "
-                        "group); the last stage's logits reach every rank (pipeline.py)")
-    p.add_argument("--microbatches", type=int, default=1, metavar="M",
-                   help="with --pp: a step's rows go through the stages in up to M parts, so that the stages run "
-                        "at once; only a step of 256 tokens a part or more (a batch of prompts) is split "
-                        "(default: 1: one part; pipeline.py)")
+    add_parallel_args(p)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda where there is one, else cpu)")
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: bfloat16 where there is CUDA, else float32)")
@@ -94,6 +82,23 @@ def add_sampling_args(p):
                            help="the output matches the grammar in FILE (llguidance's Lark syntax)")
     p.add_argument("--jump_forward", action=argparse.BooleanOptionalAction, default=True,
                    help="feed the tokens a grammar forces as one chunk, not one decode step each (default: on)")
+
+
+def add_parallel_args(p):
+    """Tensor and pipeline parallelism under torchrun: generate.py's and serve.py's flags."""
+    p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
+                   help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
+                        "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
+                        "fewer collectives, but a quantized model's text may drift from one process's; "
+                        "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
+    p.add_argument("--pp", type=int, default=1, metavar="N",
+                   help="under torchrun: split the layers into N pipeline stages, each on its own ranks "
+                        "(world = tp x pp: torchrun's ranks divided by N form each stage's tensor-parallel "
+                        "group); the last stage's logits reach every rank (pipeline.py)")
+    p.add_argument("--microbatches", type=int, default=1, metavar="M",
+                   help="with --pp: a step's rows go through the stages in up to M parts, so that the stages run "
+                        "at once; only a step of 256 tokens a part or more (a batch of prompts) is split "
+                        "(default: 1: one part; pipeline.py)")
 
 
 def add_speculation_args(p):

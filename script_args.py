@@ -7,8 +7,9 @@ import argparse
 import os
 from pathlib import Path
 
-from choices import BLOCK_SIZE, COMPILE_MODES, GPTQ_MODES, GROUPED_MODES, GROUPSIZES, QUANTIZE_MODES, TP_MODES
+from choices import BLOCK_SIZE, COMPILE_MODES, GPTQ_MODES, GROUPED_MODES, GROUPSIZES, QUANTIZE_MODES
 from errors import QuantizeError, UserError, require_dir
+from generate_args import add_parallel_args
 
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_TEXT = DATA / "hamlet.txt"  # eval.py's
@@ -56,17 +57,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def add_serve_running_args(p):
     """How serve.py runs the model (device, compilation, tensor parallelism) and meets its clients."""
-    p.add_argument("--tp_mode", choices=TP_MODES, default="auto",
-                   help="under torchrun: exact all-gathers so that a quantized model's ranks give one "
-                        "process's output bit for bit; allreduce is Megatron's two all-reduces per layer, "
-                        "fewer collectives, but a quantized model's text may drift from one process's; "
-                        "auto (default): exact for quantized checkpoints, else allreduce (tp.py)")
-    p.add_argument("--pp", type=int, default=1, metavar="N",
-                   help="under torchrun: N pipeline stages, as generate.py --pp (pipeline.py); rank 0 serves")
-    p.add_argument("--microbatches", type=int, default=1, metavar="M",
-                   help="with --pp: a step's rows go through the stages in up to M parts, so that the stages run "
-                        "at once; only a step of 256 tokens a part or more (a batch of prompts) is split "
-                        "(default: 1: one part; pipeline.py)")
+    add_parallel_args(p)  # rank 0 serves
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: bfloat16 where there is CUDA, else float32)")

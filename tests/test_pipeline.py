@@ -14,7 +14,7 @@ from conftest import ROOT, run_script
 from loading import meta_model
 from memory import weight_bytes
 from pipeline import Stage, StageFile
-from test_tp import job_log, torchrun
+from test_tp import bad_checkpoint, job_log, torchrun
 
 FLAGS = ["--prompt", "The capital of France is", "--max_new_tokens", 16]
 
@@ -145,13 +145,7 @@ def test_pp2_serves_generate_text(smollm2_dir):
 def test_pp2_bad_weight_ends_the_job_with_one_message(smollm2_dir, tmp_path):
     """A weight of the second stage's layers of the wrong shape: every rank stops, rank 0 names the
     tensor as the checkpoint does."""
-    from conftest import random_model, save_checkpoint
-    from safetensors.torch import load_file, save_file
-    model = random_model(seed=4, vocab_size=49152, dim=32, intermediate_size=64)
-    ckpt = save_checkpoint(model, tmp_path / "bad", tokenizer_from=smollm2_dir)
-    state = load_file(ckpt / "model.safetensors")
-    state["layers.1.feed_forward.w1.weight"] = state["layers.1.feed_forward.w1.weight"][:-1].contiguous()
-    save_file(state, ckpt / "model.safetensors")
+    ckpt = bad_checkpoint(tmp_path / "bad", smollm2_dir)
     r = torchrun(2, "generate.py", "--checkpoint", ckpt, "--prompt", "Hi", "--no-compile", "--max_new_tokens", 4,
                  "--pp", 2, timeout=120)
     assert r.returncode != 0

@@ -52,7 +52,7 @@ def test_trie_counts_every_substring_up_to_its_depth():
     trie = trie_of(a, b)
     assert all_counts(trie) == brute_counts([a, b], 4)
     assert trie.count([1, 2]) == 3 and trie.count([1, 2, 3]) == 2 and trie.count([2, 3]) == 3
-    assert trie.count([1, 2, 3, 1, 2]) == 0  # longer than the depth: not kept
+    assert trie.count([1, 2, 3, 1, 2]) == 0  # the trie counts substrings of at most `depth` tokens
 
 
 def test_incremental_extension_equals_building_at_once():

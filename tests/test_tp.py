@@ -324,13 +324,19 @@ def test_cli_tp2_prints_once_and_matches_single_process(smollm2_dir, tmp_path, s
         assert m["all_gather_bytes_per_step"] == (30 * (768 + 576 + 1536 + 576) + 49152) * 4
 
 
-def test_cli_tp2_bad_checkpoint_ends_the_job_with_one_message(smollm2_dir, tmp_path):
-    model = random_model(seed=4, vocab_size=49152, dim=32, intermediate_size=64)
-    ckpt = save_checkpoint(model, tmp_path / "bad", tokenizer_from=smollm2_dir)
+def bad_checkpoint(folder, tokenizer_from):
+    """A small model whose layers.1.feed_forward.w1.weight lacks a row."""
     from safetensors.torch import load_file, save_file
+    model = random_model(seed=4, vocab_size=49152, dim=32, intermediate_size=64)
+    ckpt = save_checkpoint(model, folder, tokenizer_from=tokenizer_from)
     state = load_file(ckpt / "model.safetensors")
     state["layers.1.feed_forward.w1.weight"] = state["layers.1.feed_forward.w1.weight"][:-1].contiguous()
     save_file(state, ckpt / "model.safetensors")
+    return ckpt
+
+
+def test_cli_tp2_bad_checkpoint_ends_the_job_with_one_message(smollm2_dir, tmp_path):
+    ckpt = bad_checkpoint(tmp_path / "bad", smollm2_dir)
     r = torchrun(2, "generate.py", "--checkpoint", ckpt, "--prompt", "Hi", "--no-compile", "--max_new_tokens", 4,
                  timeout=120)
     assert r.returncode != 0
