@@ -27,7 +27,7 @@ Run from the repository root:
     python -m scripts.bench_speculative --quick             # smoke test: 2 prompts, 24 tokens, 1 round, eager
     python -m scripts.bench_speculative --json bench-out/speculative.json
     python -m scripts.bench_speculative --set data/speculative_prompts.json --techniques ngram,qwen \
-        --json bench-out/speculative-categories.json   # the prompt set, per category
+        --json bench-out/speculative-set.json   # the prompt set, per category
     python -m scripts.bench_speculative --set data/speculative_prompts.json --quick   # its smoke test
 
 Current figures and the commands that made them: docs/benchmarks.md.
