@@ -28,7 +28,7 @@ def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_s
     logits = model(tokens, batch)[:, -1]  # (L, V)
     if mask is not None:
         logits = logits.masked_fill(~unpack_mask(mask, logits.shape[-1]), float("-inf"))
-    return logits if sampling is None else sample_in_step(logits, sampling)
+    return shared(model, logits if sampling is None else sample_in_step(logits, sampling))
 
 
 def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
@@ -37,7 +37,14 @@ def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, block_s
     token (B, 1, V) (last (B, 1): where that is), or of every token (B, T, V). fresh: nothing is
     cached before them; views as forward_rides'."""
     batch = ForwardBatch(positions, block_size=block_size, kv_len=kv_len, last=last, fresh=fresh, **views)
-    return model(tokens, batch)
+    return shared(model, model(tokens, batch))
+
+
+def shared(model: Transformer, out: Tensor) -> Tensor:
+    """A forward's result as every rank must see it: under pipeline parallelism the last stage's,
+    sent after sampling, so that a decode step sends its rows' tokens rather than their logits."""
+    share = getattr(model, "share", None)  # pipeline.StageTransformer's
+    return out if share is None else share(out)
 
 
 def bucket(n: int, limit: int, smallest: int = 128) -> int:

@@ -10,9 +10,10 @@ stage's layers over it). Rank r of one stage hands its hidden states to rank r o
 
 Every rank runs every step, as under tensor parallelism (the same plans, in the same order): the
 first stage embeds the tokens and runs its layers, each stage sends its output (B, T, dim) to the
-next, and the last stage computes the logits and broadcasts them to its rank of every stage, so
-that every rank samples the same tokens and every engine's scheduler stays in lockstep. A step
-therefore runs the stages in turn: a stage waits while the others compute.
+next, and the last stage computes the logits and broadcasts what the step returns to its rank of
+every stage (forwards.shared): the tokens it sampled where the step samples (8 bytes a row), else
+the logits (a row's vocabulary in float32), so that every engine's scheduler stays in lockstep. A
+step therefore runs the stages in turn: a stage waits while the others compute.
 
 With --microbatches M, a step of many tokens (a batch of prompts) goes through the stages in up to
 M parts of its rows: each stage sends a part on and starts the next while the next stage runs it.
@@ -129,9 +130,9 @@ class Stage:
         compiled graph could drop a collective whose result nothing waits on)."""
         return funcol.broadcast(x.contiguous(), 0, self.next)
 
-    def share(self, logits: Tensor) -> Tensor:
-        """The last stage's logits, on every stage."""
-        return funcol.wait_tensor(funcol.broadcast(logits.contiguous(), self.stages - 1, self.pipe))
+    def share(self, out: Tensor) -> Tensor:
+        """The last stage's out (logits or tokens), on every stage."""
+        return funcol.wait_tensor(funcol.broadcast(out.contiguous(), self.stages - 1, self.pipe))
 
 
 class StageTransformer(Transformer):
@@ -157,12 +158,17 @@ class StageTransformer(Transformer):
             else:
                 sent.append(stage.send(x))
         if stage.last:
-            return stage.share(self.head(torch.cat(outputs) if len(outputs) > 1 else outputs[0], batch))
+            return self.head(torch.cat(outputs) if len(outputs) > 1 else outputs[0], batch)
         for x in sent:
             funcol.wait_tensor(x)
         rows = B if batch.logit_rows is None else batch.logit_rows.shape[0]
-        return stage.share(tokens.new_empty(rows, T if batch.last is None else 1, self.args.vocab_size,
-                                            dtype=torch.float32))
+        # a stand-in for the logits, which the last stage alone computes: what follows (sampling)
+        # runs on it, and share() replaces the result by the last stage's
+        return tokens.new_zeros(rows, T if batch.last is None else 1, self.args.vocab_size, dtype=torch.float32)
+
+    def share(self, out: Tensor) -> Tensor:
+        """The last stage's result of a forward (its logits, or the tokens sampled from them), on every stage."""
+        return self.stage.share(out)
 
 
 def rows_of(batch: ForwardBatch, first: int, rows: int) -> ForwardBatch:
