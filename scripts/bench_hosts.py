@@ -115,9 +115,11 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=64, help="new tokens a sample")
     parser.add_argument("--rates", default="1gbit,100mbit", help="link rates to try besides full speed (tc's syntax)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every configuration, interleaved")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="run only the configurations whose name contains TEXT (e.g. 'PP 2')")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
-    todo = configs(args)
+    todo = [c for c in configs(args) if args.only is None or args.only in c["name"]]
     short = max(1, args.tokens // 4)
     results = {c["name"]: [] for c in todo}
     shorts = {c["name"]: [] for c in todo if c.get("traffic")}
