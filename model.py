@@ -444,10 +444,12 @@ class Transformer(nn.Module):
         key_pos = torch.arange(kv_len, device=positions.device).view(1, 1, -1)  # (1, 1, S)
         causal = key_pos <= query_pos
         if tree_mask is not None:  # the cached keys, then the query's ancestors among the chunk's slots
-            chunk_index = key_pos - positions[:, :1, None]  # (B, 1, S): the chunk token in each slot
             T = tree_mask.shape[-1]
-            ancestors = tree_mask.gather(2, chunk_index.clamp(0, T - 1).expand(-1, T, -1))  # (B, T, S)
-            causal = (chunk_index < 0) | (ancestors & (chunk_index < T))
+            chunk_index = key_pos - positions[:, :1, None]  # (B, 1, S): the chunk token in each slot
+            in_chunk, node = (chunk_index >= 0) & (chunk_index < T), chunk_index.clamp(0, T - 1)
+            causal = (chunk_index < 0) | (in_chunk & tree_mask.gather(2, node.expand(-1, T, -1)))  # (B, T, S)
+            # a chunk key's position, for the window, is its node's (the sequence's length + depth)
+            key_pos = torch.where(in_chunk, positions.unsqueeze(1).gather(2, node), key_pos)
         window = self.args.sliding_window
 
         def additive(allowed):

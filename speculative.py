@@ -17,6 +17,12 @@ Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. 
   top-p: `sampling.logits_to_probs`) of target and draft. An n-gram or suffix proposal is a point mass
   (q = one-hot): accept with probability p(d), on rejection sample from p with d removed.
 
+Trees (--speculate_tree NODES, `speculative_tree_decode`, tree.py): the proposer's tree of up to
+NODES candidates (several continuations, k deep) goes through the target in one forward, each
+node attending to its ancestors only; the longest accepted path is kept (greedy: the argmax's
+child at each node; sampling: recursive rejection sampling over a node's children, exact for
+point masses), and its keys and values are moved to the positions it takes in the sequence.
+
 Structured output, penalties, logit_bias, logprobs (`speculative_decode_host`): the verify
 returns logits and tokens are picked on the host, as `Engine.generate` picks them (penalties and
 logit_bias counting the block's tokens before each position, the grammar's mask, then sampling).
@@ -249,7 +255,8 @@ class SpeculativeEngine:
                  logprobs: Optional[int] = None, host: bool = False) -> tuple:
         """As `Engine.generate`, for one prompt; returns ([new ids], SpecStats). A grammar,
         penalties, logit_bias or logprobs (or host=True) pick tokens on the host from the target's
-        logits (`speculative_decode_host`); otherwise each round picks from the verify's."""
+        logits (`speculative_decode_host`, over chains even with tree_nodes); otherwise each round
+        picks from the verify's."""
         if len(prompts) != 1:
             raise UserError(ONE_SEQUENCE)
         prompt = list(prompts[0])

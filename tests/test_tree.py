@@ -142,9 +142,16 @@ class RandomTrees(Proposer):
         return Tree(tree.tokens[:nodes + 1], tree.parents[:nodes + 1])
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_greedy_over_random_trees_is_token_identical(seed):
-    target = random_model(seed=0)
+WINDOWS = {"full": {}, "window 3": dict(sliding_window=3),
+           "mixed": dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"])}
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("window", list(WINDOWS))
+def test_greedy_over_random_trees_is_token_identical(seed, window):
+    """Paths of up to 4 nodes against a window of 3 keys: a deep node must not see its far ancestors;
+    a model mixing window and full layers keeps the sliding layers' keys in pools of their own."""
+    target = random_model(seed=0, **WINDOWS[window])
     for prompt in PROMPTS:
         expected = plain_greedy(target, prompt, 24)
         spec = SpeculativeEngine(Engine(target, 1, 128), RandomTrees(expected, len(prompt), seed), 4, tree_nodes=10)
