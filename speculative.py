@@ -67,8 +67,8 @@ from model import param_bytes
 from proposers import Proposer, common_prefix
 from rope import recompute_position
 from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample, sample_probs, token_logprobs
-from scheduler import Request
-from tree import compact, greedy_path, path_slots, sampled_path
+from scheduler import Request, StepPlan
+from tree import Tree, compact, greedy_path, path_slots, sampled_path
 
 
 # ---------------------------------------------------------------- the compiled pieces
@@ -198,6 +198,16 @@ def next_k(k: int, accepted: int, proposed: int, k_max: int) -> int:
     return min(k_max, max(ADAPTIVE_MIN_K, accepted + 1))
 
 
+def tree_plans(engine: Engine, nodes: int) -> list:
+    """Steps that compile the verify of a tree (warmup.chunk_plans' graph with a tree mask), in two
+    shapes, so that the graph is general in its length from the first compile."""
+    plans = []
+    for T, pos in ((nodes + 1, 3), (3, 20)):
+        pos = max(1, min(pos, engine.max_seq_length - T))
+        plans.append(StepPlan(chunks=[([0] * T, pos, ([], []), True, Tree([0] * T, list(range(-1, T - 1))))]))
+    return plans
+
+
 # ---------------------------------------------------------------- the engine
 
 @dataclass
@@ -244,6 +254,8 @@ class SpeculativeEngine:
         if not self.compiled:
             return None
         plans, host = warmup.chunk_plans(self.engine, self.k + 1), host or constrained  # the verify's shapes
+        if self.tree_nodes:  # the verify with a tree's mask is a graph of its own
+            plans += tree_plans(self.engine, self.tree_nodes)
         draft = self.proposer.warm_up(sampling, host)  # its step, taken up at the next proposal
         if aside:
             return warmup.compile_aside(self.engine, plans, then=draft)

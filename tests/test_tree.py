@@ -4,6 +4,7 @@ cache as plain decoding of the accepted path; greedy tree rounds token-identical
 (random trees on a random model, the suffix proposer's trees on SmolLM2); recursive rejection
 sampling exact (chi-square against the enumerated distribution, p > 1e-3); the proposers' trees;
 the command line."""
+import contextlib
 import copy
 import random
 
@@ -169,6 +170,21 @@ def test_greedy_tree_on_smollm2_is_token_identical(smollm2_dir):
         (out,), stats = spec.generate([ids], 40, Sampling(), tok.eos_ids)
         assert out == expected
     assert spec.metrics(stats)["tokens_per_target_forward"] > 2
+
+
+def test_compiled_tree_rounds_match_plain_greedy(monkeypatch):
+    """The warmed-up verify graph with a tree mask serves every tree size and position (guards checked
+    on every call, recompiling refused) and gives plain greedy's output on the CPU fast paths."""
+    target = kernels.install(random_model(seed=0))
+    prompt = PROMPTS[2]
+    expected = plain_greedy(target, prompt, 32)
+    spec = SpeculativeEngine(Engine(target, 1, 128, compile=True), RandomTrees(expected, len(prompt), 0), 4,
+                             compile=True, tree_nodes=10)
+    spec.warm_up([prompt], Sampling())
+    monkeypatch.setattr("engine.guards_skipped", lambda skip: contextlib.nullcontext())
+    with torch.compiler.set_stance("fail_on_recompile"):
+        (out,), stats = spec.generate([prompt], 32, Sampling())
+    assert out == expected and sum(stats.histogram[2:]) > 0
 
 
 # ---------------------------------------------------------------- sampling
