@@ -17,6 +17,7 @@ by anything. Plain Python, no torch:
   the least recently used dropped first; a sequence is used when a proposal follows it.
 """
 import heapq
+import itertools
 from collections import OrderedDict
 from typing import Optional
 
@@ -157,10 +158,12 @@ class SuffixIndex:
         """Up to `nodes` tokens in a tree of the context's likeliest continuations, at most `depth`
         deep, best first by their empirical probability (at least min_prob): (tokens, parents),
         parents[i] the index of token i's parent in tokens, -1 after the context. A node past the
-        trie's depth continues from the longest earlier-seen suffix of the context and its path."""
+        trie's depth continues from the longest earlier-seen suffix of the context and its path.
+        min_prob is lower than a chain's: the node budget, not the probability, bounds a tree."""
         self.extend(context)
         tail = context[-self.trie.depth:]
         tokens, parents, frontier = [], [], []  # frontier: (-probability, order, parent, token, trie node, path)
+        order = itertools.count()  # ties go first come, first served
 
         def expand(parent: int, node: Optional[Node], prob: float, path: list):
             if node is None or not node.next:  # at the trie's depth or a sequence's end: match a shorter suffix
@@ -170,8 +173,7 @@ class SuffixIndex:
             total = sum(child.count for child in node.next.values())
             for token, child in node.next.items():
                 if prob * child.count / total >= min_prob:
-                    heapq.heappush(frontier, (-prob * child.count / total, len(frontier) + len(tokens),
-                                              parent, token, child, path))
+                    heapq.heappush(frontier, (-prob * child.count / total, next(order), parent, token, child, path))
 
         expand(-1, None, 1.0, [])
         while frontier and len(tokens) < nodes:  # a child is never likelier than its parent: parents first
