@@ -8,8 +8,9 @@ the CPU fast paths, qlayers.py its packed linears, tp.py its shards; this file k
 
 The KV cache is paged (kvcache.py): every layer keeps its keys and values in one preallocated pool
 of slots (`KVCache`), and a forward's `ForwardBatch` says where each token's key and value go and
-which slots hold each row's earlier positions, through the row's block table. A step's rows are sequences at any point of their generation, each at its own
-positions; nothing is copied when sequences share a prefix's blocks.
+which slots hold each row's earlier positions, through the row's block table. A step's rows are
+sequences at any point of their generation, each at its own positions; nothing is copied when
+sequences share a prefix's blocks.
 """
 import json
 import typing
