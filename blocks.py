@@ -2,7 +2,7 @@
 later request can use again (no torch: plain bookkeeping the scheduler runs, and a `store` for the
 blocks on disk, prompt_store.PromptStore, which the engine gives it).
 
-The cache is num_blocks blocks of block_size token slots (model.KVCache's pools). A sequence holds
+The cache is num_blocks blocks of block_size token slots (kvcache.KVCache's pools). A sequence holds
 a block table, its blocks in position order. A block whose slots are all written is *full*, and is
 content-addressed: its key is a hash of every token up to its end (the tokens of the block and
 the key of the block before it, as vLLM's automatic prefix caching does), so two requests whose

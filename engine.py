@@ -5,7 +5,7 @@ all drive. A step is three moves (as nano-vllm's `step()`):
     out = engine.run(plan)             # one forward for the rides, one for each prompt chunk
     scheduler.postprocess(plan, ...)   # tokens sampled and handed out, full blocks sealed
 
-The KV cache is paged (model.KVCache, blocks.BlockManager): every request holds a block table,
+The KV cache is paged (kvcache.KVCache, blocks.BlockManager): every request holds a block table,
 a prefix that another request computed is used where it lies, and the cache's size is a budget of
 tokens shared by the requests, not rows of a fixed length. The one-token rows of a step (every
 decoding request, and prompt tokens riding along) go through one compiled forward; a prompt that
@@ -347,7 +347,8 @@ class Engine:
                              **{k: v for k, v in inputs.items() if k not in ("tokens", "positions", "logit_rows")})
         return out.clone() if self.lookahead else out  # a CUDA graph's next replay overwrites its output
 
-    def run_chunk(self, tokens: list, start: int, tables: tuple, every: bool = False) -> Tensor:
+    def run_chunk(self, tokens: list, start: int, tables: tuple, every: bool = False, tree=None) -> Tensor:
+        """tree: a tree.Tree over tokens (speculative.py), each at its depth, fed with every=True."""
         T, device = len(tokens), self.device
         # a few tokens after cached ones (a verify, what a grammar forced): one graph for any count,
         # every token's logits; a prompt: eager (or compiled with compile_prefill), the last one's
@@ -358,8 +359,12 @@ class Engine:
         blocks = self.blocks.blocks_for(start + len(fed))
         views = self.feeder.views([(fed, start, tables)], max(blocks, 2) if short else blocks, real=T)
         last = None if every or short else torch.tensor([[T - 1]], device=device)
+        positions = torch.arange(start, start + len(fed), device=device).view(1, -1)
+        if tree is not None:  # at least two nodes: no padding
+            positions = torch.tensor([[start + d for d in tree.depths]], device=device)
+            views["tree_mask"] = tree.ancestor_mask(device).unsqueeze(0)
         logits = (self.short_chunk if short else self.long_chunk)(
-            self.model, torch.tensor([fed], device=device), torch.arange(start, start + len(fed), device=device).view(1, -1),
+            self.model, torch.tensor([fed], device=device), positions,
             self.block_size, start + len(fed), start == 0, last, **views)[0]
         return logits[:T] if every else logits[T - 1 if short else -1]
 
@@ -400,13 +405,14 @@ class Engine:
         if request not in self.scheduler.running and request.finish_reason is None:  # (a grammar may end it at once)
             raise UserError("the KV cache cannot hold this sequence beside the running ones")
 
-    def feed(self, request: Request, tokens: list, every: bool = False) -> Tensor:
+    def feed(self, request: Request, tokens: list, every: bool = False, tree=None) -> Tensor:
         """tokens through the model after request's fed ones, as a step of one chunk: their keys and
         values go to its blocks (taken as needed), and the logits of the last token (V,), or of
-        every token (T, V), come back. request.fed does not move: the caller keeps what it accepts."""
+        every token (T, V), come back. request.fed does not move: the caller keeps what it accepts.
+        tree: a tree.Tree whose nodes are tokens (with every=True), each seeing its ancestors only."""
         if not self.scheduler.make_room(request, request.fed + len(tokens), StepPlan()):
             raise UserError("the KV cache cannot hold this sequence")
-        plan = StepPlan(chunks=[(tokens, request.fed, request.tables(), every)], chunk_requests=[request])
+        plan = StepPlan(chunks=[(tokens, request.fed, request.tables(), every, tree)], chunk_requests=[request])
         with torch.inference_mode():
             return self.run(plan)[1][0]
 

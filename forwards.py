@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from grammar import unpack_mask
-from model import ForwardBatch, Transformer
+from kvcache import ForwardBatch
+from model import Transformer
 from sampling import StepSampling, sample_in_step
 
 

@@ -355,7 +355,8 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
     else:
         return engine
     return speculative.SpeculativeEngine(engine, proposer, args.speculate_k, compile=args.compile,
-                                         compile_mode=args.compile_mode, adaptive=args.adaptive_k)
+                                         compile_mode=args.compile_mode, adaptive=args.adaptive_k,
+                                         tree_nodes=args.speculate_tree)
 
 
 def main(argv=None):

@@ -120,6 +120,10 @@ def add_speculation_args(p):
                    help="adapt the tokens proposed per round to recent acceptance: twice as many after a "
                         "block accepted whole (up to --speculate_k), fewer after a rejection (default: on; "
                         "--no-adaptive_k always proposes --speculate_k)")
+    p.add_argument("--speculate_tree", type=int, default=0, metavar="NODES",
+                   help="with --suffix or --ngram: verify a tree of up to NODES candidates (several likely "
+                        "continuations, --speculate_k deep) in each forward instead of one chain, and keep its "
+                        "longest accepted path (tree.py; a round that picks on the host keeps the chain)")
     p.add_argument("--compare_plain", action="store_true",
                    help="with speculation: also decode without it and print both speeds (and, greedy, "
                         "whether the outputs are identical)")
@@ -192,6 +196,8 @@ def check_args(args):
         raise UserError("--pp runs a --checkpoint without speculative decoding or --prompt_cache")
     if args.speculate_k < 1:
         raise UserError("--speculate_k must be at least 1")
+    if args.speculate_tree < 0 or (args.speculate_tree and not (args.suffix or args.ngram is not None)):
+        raise UserError("--speculate_tree takes a number of nodes >= 0 and goes with --suffix or --ngram")
     if args.draft_dtype and not args.draft_checkpoint:
         raise UserError("--draft_dtype needs --draft_checkpoint")
     if args.checkpoint is not None:

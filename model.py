@@ -6,11 +6,11 @@ checkpoint's config.json, never guessed from names.
 This is the reference: nn.Linear and SDPA, one path per module. kernels.install(model) swaps in
 the CPU fast paths, qlayers.py its packed linears, tp.py its shards; this file knows none of them.
 
-The KV cache is paged: every layer keeps its keys and values in one preallocated pool of slots
-(`KVCache`), and a forward's `ForwardBatch` says where each token's key and value go and which
-slots hold each row's earlier positions, through the row's block table (the engine hands the
-blocks out). A step's rows are sequences at any point of their generation, each at its own
-positions; nothing is copied when sequences share a prefix's blocks.
+The KV cache is paged (kvcache.py): every layer keeps its keys and values in one preallocated pool
+of slots (`KVCache`), and a forward's `ForwardBatch` says where each token's key and value go and
+which slots hold each row's earlier positions, through the row's block table. A step's rows are
+sequences at any point of their generation, each at its own positions; nothing is copied when
+sequences share a prefix's blocks.
 """
 import json
 import typing
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from config_checks import ConfigError, checked_config_value
+from kvcache import ForwardBatch, KVCache
 from rope import ROPE_TYPES, Rotary, apply_rope, rope_inv_freq
 from thresholds import THRESHOLDS
 
@@ -146,86 +147,6 @@ class ModelArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass
-class ForwardBatch:
-    """What one forward computes: B rows of T tokens (a shorter row is padded at its end), each
-    token at its position in its sequence. Keys and values live in the layers' slot pools: token
-    (b, t) writes slot slots[b, t], and row b's queries read the keys of its positions 0..kv_len-1,
-    held in the slots its block table names (position p: block_table[b, p // block_size] *
-    block_size + p % block_size), each query the ones at or before its own position."""
-    positions: Tensor  # (B, T) int64: each token's position in its sequence
-    slots: Tensor  # (B, T) int64: where each token's key and value go (padding: a scratch slot)
-    block_table: Tensor  # (B, blocks) int64: each row's blocks, in position order
-    block_size: int = 16
-    kv_len: int = 0  # the positions a row's queries may read, 0..kv_len-1, the same for every row
-    last: Optional[Tensor] = None  # (B, 1) int64: only this token of each row goes through the last layer
-    logit_rows: Optional[Tensor] = None  # (L,): the rows whose logits are wanted; None: all
-    fresh: bool = False  # nothing cached before these tokens: attention reads the chunk's own keys
-    # sliding-window layers with pools of their own (a model that mixes them with full attention):
-    # their slots and block tables, whose blocks out of the window are gone (the scratch block)
-    window_slots: Optional[Tensor] = None
-    window_table: Optional[Tensor] = None
-
-    def context(self, block_table: Optional[Tensor] = None) -> Tensor:
-        """(B, kv_len) the slot of each row's positions 0..kv_len-1 (in the window pools' blocks)."""
-        table = self.block_table if block_table is None else block_table
-        offsets = torch.arange(self.block_size, device=table.device)
-        slots = (table.unsqueeze(-1) * self.block_size + offsets).flatten(1)  # (B, blocks * block_size)
-        return slots[:, :self.kv_len]
-
-    def views(self) -> dict:
-        """sliding -> (slots, context) of the layers of that kind; a fresh chunk's context is None."""
-        full = (self.slots, None if self.fresh else self.context())
-        if self.window_slots is None:
-            return {False: full, True: full}
-        return {False: full, True: (self.window_slots, None if self.fresh else self.context(self.window_table))}
-
-    @staticmethod
-    def rows(input_pos: Tensor, batch_size: int, row_length: int, kv_len: Optional[int] = None,
-             **options) -> "ForwardBatch":
-        """Row b in slots b * row_length onwards, one block a row (what setup_caches(batch_size,
-        row_length) lays out for callers that do not page): input_pos (T,) shared, or (B, T)."""
-        positions = input_pos.view(-1, input_pos.shape[-1]).expand(batch_size, -1)
-        first = torch.arange(batch_size, device=input_pos.device).unsqueeze(1)  # (B, 1) each row's block
-        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
-        return ForwardBatch(positions, first * row_length + positions, first, row_length, kv_len, **options)
-
-
-class KVCache(nn.Module):
-    """One layer's keys and values: num_slots slots in blocks of block_size, held as (blocks,
-    n_kv_heads, block_size, head_dim) so that a head's keys in a block lie side by side; slot s is
-    row s % block_size of block s // block_size. Written and read through a ForwardBatch's slots."""
-
-    def __init__(self, num_slots: int, n_kv_heads: int, head_dim: int, dtype, device=None, zeros=torch.zeros,
-                 block_size: Optional[int] = None):
-        super().__init__()
-        block_size = block_size or num_slots
-        assert num_slots % block_size == 0, f"{num_slots} slots are not whole blocks of {block_size}"
-        shape = (num_slots // block_size, n_kv_heads, block_size, head_dim)
-        self.register_buffer("k_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def at(self, slots: Tensor) -> tuple:
-        """The index of slots (any shape) into a pool."""
-        return slots // self.k_cache.shape[2], slice(None), slots % self.k_cache.shape[2]
-
-    def get(self, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """The keys and values of slots: (*slots.shape, n_kv_heads, head_dim) each, copied."""
-        return self.k_cache[self.at(slots)], self.v_cache[self.at(slots)]
-
-    def put(self, slots: Tensor, k: Tensor, v: Tensor):
-        """k, v (*slots.shape, n_kv_heads, head_dim) to slots."""
-        self.k_cache[self.at(slots)], self.v_cache[self.at(slots)] = k, v
-
-    def write(self, slots: Tensor, k: Tensor, v: Tensor):
-        """k, v (B, n_kv_heads, T, head_dim) to slots (B, T)."""
-        self.put(slots, k.transpose(1, 2), v.transpose(1, 2))
-
-    def read(self, context: Tensor) -> tuple[Tensor, Tensor]:
-        """The keys and values of slots context (B, S): (B, n_kv_heads, S, head_dim) each, copied."""
-        return tuple(x.transpose(1, 2) for x in self.get(context))
 
 
 class RMSNorm(nn.Module):
@@ -514,14 +435,22 @@ class Transformer(nn.Module):
             slots = window_slots if a.sliding and window_slots else self.num_slots
             a.kv_cache = KVCache(slots, a.n_kv_heads, a.head_dim, dtype, device, zeros, block_size or max_seq_length)
 
-    def masks(self, positions: Tensor, kv_len: int, dtype: torch.dtype,
-              sdpa_causal: bool = False) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    def masks(self, positions: Tensor, kv_len: int, dtype: torch.dtype, sdpa_causal: bool = False,
+              tree_mask: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
         """Additive (B, 1, T, kv_len) masks over keys at positions 0..kv_len-1, 0 where a query at
         positions (B, T) may attend and -inf elsewhere: (global, sliding window). Additive masks run
-        faster than boolean ones in CPU SDPA. sdpa_causal: the global mask is None (SDPA's own)."""
+        faster than boolean ones in CPU SDPA. sdpa_causal: the global mask is None (SDPA's own).
+        tree_mask (B, T, T): the chunk is a tree in the slots from positions[:, 0] on (ForwardBatch)."""
         query_pos = positions.unsqueeze(-1)  # (B, T, 1)
         key_pos = torch.arange(kv_len, device=positions.device).view(1, 1, -1)  # (1, 1, S)
         causal = key_pos <= query_pos
+        if tree_mask is not None:  # the cached keys, then the query's ancestors among the chunk's slots
+            T = tree_mask.shape[-1]
+            chunk_index = key_pos - positions[:, :1, None]  # (B, 1, S): the chunk token in each slot
+            in_chunk, node = (chunk_index >= 0) & (chunk_index < T), chunk_index.clamp(0, T - 1)
+            causal = (chunk_index < 0) | (in_chunk & tree_mask.gather(2, node.expand(-1, T, -1)))  # (B, T, S)
+            # a chunk key's position, for the window, is its node's (the sequence's length + depth)
+            key_pos = torch.where(in_chunk, positions.unsqueeze(1).gather(2, node), key_pos)
         window = self.args.sliding_window
 
         def additive(allowed):
@@ -556,8 +485,8 @@ class Transformer(nn.Module):
         local_rope = self.local_rotary(batch.positions) if self.local_rotary is not None else (cos, sin)
         # one whole sequence from position 0: full-attention layers use SDPA's causal mask
         sdpa_causal = (batch.fresh and B == 1 and T > THRESHOLDS.causal_sdpa_min_tokens
-                       and not self.args.attn_logit_softcapping)
-        masks = self.masks(batch.positions, T if batch.fresh else batch.kv_len, x.dtype, sdpa_causal)
+                       and not self.args.attn_logit_softcapping and batch.tree_mask is None)
+        masks = self.masks(batch.positions, T if batch.fresh else batch.kv_len, x.dtype, sdpa_causal, batch.tree_mask)
         views = batch.views()  # the slots and contexts, shared by the layers
         for i, layer in enumerate(self.layers):
             c, s = local_rope if layer.attention.sliding else (cos, sin)

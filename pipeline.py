@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 import tp as tensor_parallel
 from errors import TPError, UserError
-from model import ForwardBatch, Transformer
+from kvcache import ForwardBatch
+from model import Transformer
 from thresholds import THRESHOLDS
 from tp import TensorParallel, split_evenly
 

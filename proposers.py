@@ -22,9 +22,11 @@ from torch import Tensor
 from compile import compile_step
 from errors import UserError
 from grammar import allow_tokens
-from model import ForwardBatch, Transformer
+from kvcache import ForwardBatch
+from model import Transformer
 from sampling import Sampling, logits_to_probs, sample_probs
 from suffix import SuffixIndex
+from tree import Tree
 
 
 def draft_chunk(model: Transformer, tokens: list, start: int):
@@ -100,6 +102,12 @@ class Proposer(ABC):
                             "propose_on_host to propose under a grammar")
         return drafts, q
 
+    def propose_tree(self, context: list, nodes: int, depth: int) -> Optional[Tree]:
+        """Candidates for tree verification: up to `nodes` tokens at most `depth` deep after the
+        context's last token (the root), checked as point masses; this default: propose's chain."""
+        drafts, _ = self.propose(context, min(nodes, depth), Sampling(temperature=0))
+        return Tree.from_paths(context[-1], [drafts])
+
     def accepted(self, n: int):
         """The target kept the first n proposals of the last round."""
 
@@ -130,16 +138,31 @@ class NgramProposer(Proposer):
 
     def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
         """Up to k proposed ids (none when nothing matches) and q = None (a point mass)."""
+        matches = self.matches(context)
+        return (self.continuation(context, matches[0], k) if matches else []), None
+
+    def matches(self, context: list) -> list:
+        """Where the continuation of the last n tokens' most recent earlier occurrence starts, for
+        every n that matches, longest first."""
         self._extend_index(context)
         length = len(context)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = self.index[n].get(tuple(context[length - n:]))
-            if start is not None:
-                out = []
-                for i in range(k):  # past the end of the context, copy what we proposed (LZ77-style)
-                    out.append(context[start + i] if start + i < length else out[start + i - length])
-                return out, None
-        return [], None
+        found = (self.index[n].get(tuple(context[length - n:])) for n in range(min(self.max_n, length - 1),
+                                                                               self.min_n - 1, -1))
+        return [start for start in found if start is not None]
+
+    @staticmethod
+    def continuation(context: list, start: int, k: int) -> list:
+        out, length = [], len(context)
+        for i in range(k):  # past the end of the context, copy what we proposed (LZ77-style)
+            out.append(context[start + i] if start + i < length else out[start + i - length])
+        return out
+
+    def propose_tree(self, context: list, nodes: int, depth: int) -> Optional[Tree]:
+        """The continuations of every matching n-gram (longest first), merged into one tree, cut
+        to its first `nodes` candidates."""
+        tree = Tree.from_paths(context[-1], [self.continuation(context, start, depth)
+                                             for start in dict.fromkeys(self.matches(context))])
+        return Tree(tree.tokens[:nodes + 1], tree.parents[:nodes + 1])
 
 
 class SuffixProposer(Proposer):
@@ -160,6 +183,10 @@ class SuffixProposer(Proposer):
     def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
         """Up to k proposed ids (none when no continuation is likely enough) and q = None (a point mass)."""
         return self.index.continuation(context, k), None
+
+    def propose_tree(self, context: list, nodes: int, depth: int) -> Optional[Tree]:
+        tokens, parents = self.index.continuations(context, nodes, depth)
+        return Tree([context[-1]] + tokens, [-1] + [p + 1 for p in parents])
 
 
 class DraftProposer(Proposer):

@@ -17,6 +17,12 @@ Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. 
   top-p: `sampling.logits_to_probs`) of target and draft. An n-gram or suffix proposal is a point mass
   (q = one-hot): accept with probability p(d), on rejection sample from p with d removed.
 
+Trees (--speculate_tree NODES, `speculative_tree_decode`, tree.py): the proposer's tree of up to
+NODES candidates (several continuations, k deep) goes through the target in one forward, each
+node attending to its ancestors only; the longest accepted path is kept (greedy: the argmax's
+child at each node; sampling: recursive rejection sampling over a node's children, exact for
+point masses), and its keys and values are moved to the positions it takes in the sequence.
+
 Structured output, penalties, logit_bias, logprobs (`speculative_decode_host`): the verify
 returns logits and tokens are picked on the host, as `Engine.generate` picks them (penalties and
 logit_bias counting the block's tokens before each position, the grammar's mask, then sampling).
@@ -61,7 +67,8 @@ from model import param_bytes
 from proposers import Proposer, common_prefix
 from rope import recompute_position
 from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample, sample_probs, token_logprobs
-from scheduler import Request
+from scheduler import Request, StepPlan
+from tree import Tree, compact, greedy_path, path_slots, sampled_path
 
 
 # ---------------------------------------------------------------- the compiled pieces
@@ -191,6 +198,16 @@ def next_k(k: int, accepted: int, proposed: int, k_max: int) -> int:
     return min(k_max, max(ADAPTIVE_MIN_K, accepted + 1))
 
 
+def tree_plans(engine: Engine, nodes: int) -> list:
+    """Steps that compile the verify of a tree (warmup.chunk_plans' graph with a tree mask), in two
+    shapes, so that the graph is general in its length from the first compile."""
+    plans = []
+    for T, pos in ((nodes + 1, 3), (3, 20)):
+        pos = max(1, min(pos, engine.max_seq_length - T))
+        plans.append(StepPlan(chunks=[([0] * T, pos, ([], []), True, Tree([0] * T, list(range(-1, T - 1))))]))
+    return plans
+
+
 # ---------------------------------------------------------------- the engine
 
 @dataclass
@@ -209,7 +226,7 @@ class SpeculativeEngine:
     The same interface as `Engine`, so the command line and `Chat` drive it unchanged."""
 
     def __init__(self, engine: Engine, proposer: Proposer, k: int, compile: bool = False,
-                 compile_mode: str = "default", adaptive: bool = True):
+                 compile_mode: str = "default", adaptive: bool = True, tree_nodes: int = 0):
         if k < 1:
             raise UserError("--speculate_k must be at least 1")
         if engine.max_batch_size != 1:
@@ -223,6 +240,7 @@ class SpeculativeEngine:
         self.max_seq_length = engine.max_seq_length
         self.k_round = k  # this round's proposals at most: k, or next_k's choice when adaptive
         self.jump_forward = True  # feed the tokens a grammar forces with the next block (False: picked one by one)
+        self.tree_nodes = tree_nodes  # > 0: each round verifies a tree of up to this many candidates, k deep
         proposer.setup(engine.max_seq_length)
 
     def forget_prefixes(self):
@@ -236,6 +254,8 @@ class SpeculativeEngine:
         if not self.compiled:
             return None
         plans, host = warmup.chunk_plans(self.engine, self.k + 1), host or constrained  # the verify's shapes
+        if self.tree_nodes:  # the verify with a tree's mask is a graph of its own
+            plans += tree_plans(self.engine, self.tree_nodes)
         draft = self.proposer.warm_up(sampling, host)  # its step, taken up at the next proposal
         if aside:
             return warmup.compile_aside(self.engine, plans, then=draft)
@@ -247,7 +267,8 @@ class SpeculativeEngine:
                  logprobs: Optional[int] = None, host: bool = False) -> tuple:
         """As `Engine.generate`, for one prompt; returns ([new ids], SpecStats). A grammar,
         penalties, logit_bias or logprobs (or host=True) pick tokens on the host from the target's
-        logits (`speculative_decode_host`); otherwise each round picks from the verify's."""
+        logits (`speculative_decode_host`, over chains even with tree_nodes); otherwise each round
+        picks from the verify's."""
         if len(prompts) != 1:
             raise UserError(ONE_SEQUENCE)
         prompt = list(prompts[0])
@@ -338,6 +359,8 @@ class SpeculativeEngine:
     def speculative_decode(self, row: Request, budget: int, stop: set, stats: "SpecStats") -> list:
         """One round: propose, verify in one target forward, accept. Returns the new tokens
         (accepted proposals + the target's own token), cut after a stop token and to `budget`."""
+        if self.tree_nodes:
+            return self.speculative_tree_decode(row, budget, stop, stats)
         device, k, sampling, context = self.device, self.k_round, row.sampling, row.known()
         room = self.max_seq_length - row.fed - 1  # slots after the last token
         drafts, q = self.proposer.propose(context, min(k, budget - 1), sampling) \
@@ -365,6 +388,42 @@ class SpeculativeEngine:
             self.k_round = next_k(k, n, proposed, self.k)
         new = drafts[:n] + [next_token]
         for i, token in enumerate(new):  # stop inside an accepted block: what follows was never generated
+            if token in stop:
+                new = new[:i + 1]
+                break
+        new = new[:budget]
+        self.proposer.accepted(len(new) - 1)
+        return new
+
+    def speculative_tree_decode(self, row: Request, budget: int, stop: set, stats: "SpecStats") -> list:
+        """One round over a tree of candidates (tree.py): the proposer's tree, at most tree_nodes
+        candidates and k deep, in one target forward; the longest accepted path's keys and values
+        move to the positions it takes (tree.compact). Returns as speculative_decode."""
+        sampling, context, engine = row.sampling, row.known(), self.engine
+        room = self.max_seq_length - row.fed - 1  # slots after the last token
+        nodes = min(self.tree_nodes, room)
+        candidates = self.proposer.propose_tree(context, nodes, min(self.k, budget - 1)) \
+            if budget > 1 and nodes > 0 else None
+        stats.target_forwards += 1
+        if candidates is None or len(candidates) < 2:  # nothing to check: a plain decoding step
+            stats.plain_steps += 1
+            return [int(sample(engine.feed(row, [context[-1]]).unsqueeze(0), sampling))]
+        target = target_picks(engine.feed(row, candidates.tokens, every=True, tree=candidates), sampling)
+        if sampling.temperature == 0:
+            path, next_token = greedy_path(candidates, target.tolist())
+        else:
+            path, next_token = sampled_path(candidates, target)
+        start, moved = row.fed, [(i, node) for i, node in enumerate(path, 1) if node != i]
+        if moved:  # the accepted nodes' keys to positions start + 1.. (node i was fed at start + i)
+            bs, tables = engine.block_size, row.tables()
+            sources = [start + node for _, node in moved]
+            targets = [start + i for i, _ in moved]
+            compact(self.model, {sliding: (path_slots(table, bs, sources), path_slots(table, bs, targets))
+                                 for sliding, table in ((False, tables[0]), (True, tables[1] or tables[0]))})
+        stats.histogram[len(path)] += 1
+        stats.proposed += len(candidates) - 1
+        new = [candidates.tokens[node] for node in path] + [next_token]
+        for i, token in enumerate(new):  # stop inside an accepted path: what follows was never generated
             if token in stop:
                 new = new[:i + 1]
                 break

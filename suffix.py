@@ -10,10 +10,14 @@ by anything. Plain Python, no torch:
 - `SuffixTrie`: a trie of every substring of at most `depth` tokens, each node counting its
   occurrences. A sequence grows one token at a time in O(depth): the nodes of its last 1..depth-1
   tokens (its `tails`) each get a child for the new token. Removing a sequence walks its windows.
+- `SuffixIndex.continuations`: for tree verification, the likeliest continuations as a tree:
+  best first by that probability, up to a number of nodes.
 - `SuffixIndex`: the sequence being generated, plus a store of earlier ones (a generate call's
   prompt and output, kept when the next call starts something else) capped at `store_tokens`,
   the least recently used dropped first; a sequence is used when a proposal follows it.
 """
+import heapq
+import itertools
 from collections import OrderedDict
 from typing import Optional
 
@@ -149,3 +153,35 @@ class SuffixIndex:
                 self.stored.move_to_end(node.last)
             out.append(token)
         return out
+
+    def continuations(self, context: list, nodes: int, depth: int, min_prob: float = 0.05) -> tuple:
+        """Up to `nodes` tokens in a tree of the context's likeliest continuations, at most `depth`
+        deep, best first by their empirical probability (at least min_prob): (tokens, parents),
+        parents[i] the index of token i's parent in tokens, -1 after the context. A node past the
+        trie's depth continues from the longest earlier-seen suffix of the context and its path.
+        min_prob is lower than a chain's: the node budget, not the probability, bounds a tree."""
+        self.extend(context)
+        tail = context[-self.trie.depth:]
+        tokens, parents, frontier = [], [], []  # frontier: (-probability, order, parent, token, trie node, path)
+        order = itertools.count()  # ties go first come, first served
+
+        def expand(parent: int, node: Optional[Node], prob: float, path: list):
+            if node is None or not node.next:  # at the trie's depth or a sequence's end: match a shorter suffix
+                node = self.trie.longest_match(tail + path, self.min_match)
+                if node is None:
+                    return
+            total = sum(child.count for child in node.next.values())
+            for token, child in node.next.items():
+                if prob * child.count / total >= min_prob:
+                    heapq.heappush(frontier, (-prob * child.count / total, next(order), parent, token, child, path))
+
+        expand(-1, None, 1.0, [])
+        while frontier and len(tokens) < nodes:  # a child is never likelier than its parent: parents first
+            negative_prob, _, parent, token, node, path = heapq.heappop(frontier)
+            if not tokens and node.last in self.stored:
+                self.stored.move_to_end(node.last)
+            tokens.append(token)
+            parents.append(parent)
+            if len(path) + 1 < depth:
+                expand(len(tokens) - 1, node, -negative_prob, path + [token])
+        return tokens, parents

@@ -7,6 +7,8 @@ Cases (--case, default: all that can run):
   suffix the suffix proposer (generate.py --suffix --speculate_k 8) on the ngram case's prompts; each
          run starts with an empty store, so no run proposes from another's output.
          Needs: python download.py smollm2-135m
+  suffix-tree, ngram-tree  the suffix and n-gram cases verifying a tree of up to 15 candidates a
+         forward (generate.py --speculate_tree 15): several continuations, 8 deep.
   qwen   Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct on code prompts
          (generate.py --draft_checkpoint ... --speculate_k 5).
          Needs: python download.py qwen2.5-coder-0.5b && python download.py qwen2.5-coder-1.5b
@@ -128,6 +130,9 @@ OPEN = [
 CASES = {
     "ngram": dict(target="smollm2-135m", draft=None, ngram=3, k=8, prompts=GROUNDED),
     "suffix": dict(target="smollm2-135m", draft=None, ngram=None, k=8, prompts=GROUNDED),
+    # 15 candidates and the root: 16 queries, the most the attention kernel takes (THRESHOLDS.attend_max_queries)
+    "suffix-tree": dict(target="smollm2-135m", draft=None, ngram=None, k=8, prompts=GROUNDED, tree=15),
+    "ngram-tree": dict(target="smollm2-135m", draft=None, ngram=3, k=8, prompts=GROUNDED, tree=15),
     "qwen": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", ngram=None, k=5, prompts=CODE),
     "qwen-int8": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b-int8", ngram=None, k=5, prompts=CODE),
     "int4": dict(target="smollm2-135m", draft="smollm2-135m-int4-g32", ngram=None, k=5, prompts=GROUNDED + OPEN),
@@ -169,7 +174,8 @@ def make_proposer(case: dict, args) -> proposers.Proposer:
 
 def proposer_name(case: dict, args) -> str:
     if not case["draft"]:
-        return f"ngram {case['ngram']}" if case["ngram"] else "suffix"
+        tree = f" tree {case['tree']}" if case.get("tree") else ""
+        return (f"ngram {case['ngram']}" if case["ngram"] else "suffix") + tree
     return case["draft"] + (f" ({args.draft_dtype})" if args.draft_dtype != "float32" else "")
 
 
@@ -192,7 +198,8 @@ def build_engines(name: str, case: dict, target, ids: list, k: int, args) -> tup
     """(engine, speculative engine) on one target, both warmed up (compiled) on the first prompt."""
     max_seq_length = -(-(max(map(len, ids)) + args.max_new_tokens + k) // 256) * 256  # rounded up to 256
     engine = Engine(target, 1, max_seq_length, compile=args.compile)
-    spec = speculative.SpeculativeEngine(engine, make_proposer(case, args), k, compile=args.compile)
+    spec = speculative.SpeculativeEngine(engine, make_proposer(case, args), k, compile=args.compile,
+                                         tree_nodes=case.get("tree", 0))
     start = time.perf_counter()
     engine.warm_up(ids[:1], Sampling())
     spec.warm_up(ids[:1], Sampling())

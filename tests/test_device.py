@@ -18,7 +18,7 @@ from conftest import ROOT, TEST_DEVICE, device_flags, random_model
 from engine import Engine
 from scheduler import Request
 from errors import UserError
-from model import ForwardBatch
+from kvcache import ForwardBatch
 from sampling import Sampling
 from thresholds import THRESHOLDS
 

@@ -26,7 +26,8 @@ from conftest import ROOT, TEST_DEVICE, on_test_device, random_model, run_script
 from engine import Chat, Engine
 from loading import load_model
 from memory import kv_cache_bytes
-from model import ForwardBatch, ModelArgs, Transformer
+from kvcache import ForwardBatch
+from model import ModelArgs, Transformer
 from sampling import Sampling
 
 GEMMA3 = ROOT / "checkpoints" / "gemma3-270m"

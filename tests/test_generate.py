@@ -437,7 +437,7 @@ if __name__ == "__main__":  # PYTHONPATH=. python tests/test_generate.py --updat
 FAULTS_SCRIPT = """
 import resource, sys, torch
 from loading import load_model
-from model import ForwardBatch
+from kvcache import ForwardBatch
 model = load_model(sys.argv[1])
 model.setup_caches(1, 512)
 tokens = torch.randint(0, 1000, (1, 300))

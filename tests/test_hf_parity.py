@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 import kernels
 from conftest import TEST_DEVICE, on_test_device
 from convert_hf import convert_hf_checkpoint
-from model import ForwardBatch, ModelArgs, Transformer
+from kvcache import ForwardBatch
+from model import ModelArgs, Transformer
 from thresholds import THRESHOLDS
 
 # against transformers on the CPU; a GPU sums in another order (600-token prefills came to 1.0e-4 and, Gemma 3

@@ -11,7 +11,7 @@ from blocks import ROOT, BlockManager, block_key
 from conftest import TEST_DEVICE, random_model
 from engine import Engine
 from errors import UserError
-from model import ForwardBatch
+from kvcache import ForwardBatch
 from sampling import Sampling
 from scheduler import Request, Scheduler
 
