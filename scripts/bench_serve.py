@@ -10,6 +10,9 @@ inter-token latency (ITL), median and p99.
         # 16 requests, one 1,024-token system prompt: peak KV blocks, TTFT with the prefix cache and without
     python -m scripts.bench_serve --workload mixed-lengths --engines ours,before --before /tmp/main
         # prompts of 64 to 4,000 tokens at the same KV memory: how many requests run at once
+    python -m scripts.bench_serve --workload grounded --engines ours,ours-suffix --concurrency 1
+        # chat prompts that quote what the answer repeats (data/speculative_prompts.json), greedy, to EOS
+    python -m scripts.bench_serve --engines ours,ours-suffix --concurrency 16   # speculation's cost under load
 
 Each engine is started here on the same weights (ours: serve.py on checkpoints/MODEL; llama-server:
 the F32 or Q8_0 GGUF of the same weights, built by scripts/build_llama_server.sh), or --url points
@@ -162,11 +165,12 @@ def stop(proc: subprocess.Popen):
         proc.kill()
 
 
-def one_request(url: str, prompt: list, max_tokens: int, result: dict):
-    """A streamed completion; records when it was sent, each chunk's arrival and the token count."""
+def one_request(url: str, prompt: list, max_tokens: int, result: dict, to_eos: bool = False):
+    """A streamed completion (to_eos: ending at EOS, else at max_tokens); records when it was sent,
+    each chunk's arrival and the token count."""
     host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": not to_eos, "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection(host, int(port), timeout=600)
     result["start"] = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
@@ -192,7 +196,7 @@ def one_request(url: str, prompt: list, max_tokens: int, result: dict):
 
 
 def run_load(url: str, prompts: list, max_tokens: int, concurrency: int, rate: float = 0.0,
-             delays: list = None) -> list:
+             delays: list = None, to_eos: bool = False) -> list:
     """Send every prompt, at most `concurrency` at a time (and, rate > 0, Poisson arrivals at that
     many per second, or at the given delays); returns one result dict per request."""
     results = [dict() for _ in prompts]
@@ -201,7 +205,8 @@ def run_load(url: str, prompts: list, max_tokens: int, concurrency: int, rate: f
 
     def worker(i):
         try:
-            one_request(url, prompts[i], max_tokens if isinstance(max_tokens, int) else max_tokens[i], results[i])
+            one_request(url, prompts[i], max_tokens if isinstance(max_tokens, int) else max_tokens[i], results[i],
+                        to_eos)
         except Exception as e:  # reported in the results
             results[i]["error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -457,6 +462,42 @@ def workload_mixed_lengths(args, starters: dict) -> list:
     return rows
 
 
+def grounded_prompts(checkpoint: Path, per_category: int) -> list:
+    """(category, token ids) of data/speculative_prompts.json's grounded kinds, through the chat template."""
+    from tokenizer import Tokenizer
+    tokenizer = Tokenizer(checkpoint)
+    categories = json.loads((ROOT / "data" / "speculative_prompts.json").read_text())["categories"]
+    out = []
+    for kind in ("summarise", "edit_code", "document_qa", "multi_turn"):
+        for chat in categories[kind]["prompts"][:per_category]:
+            messages = [{"role": "user", "content": chat}] if isinstance(chat, str) else chat
+            out.append((kind, tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=False)))
+    return out
+
+
+def workload_grounded(args, starters: dict) -> list:
+    """Chat prompts whose answers repeat what they quote (summarise, edit code, answer from a
+    document, a conversation's repeat), greedy to EOS or --output_len, one engine after the other
+    at each concurrency: where speculation pays. Every prompt is new to the server (the suffix
+    store holds the earlier prompts' text and answers, not its own)."""
+    prompts = grounded_prompts(args.checkpoint, args.per_category)
+    ids = [p for _, p in prompts]
+    ctx = max(map(len, ids)) + args.output_len + 8
+    rows = []
+    print(HEADER)
+    for c in [int(c) for c in args.concurrency.split(",")]:
+        for name, start in starters.items():
+            with warmed_up(start(args, c, ctx), args.vocab, 1004) as url:
+                results = run_load(url, ids, args.output_len, c, to_eos=True)
+            s = summarize(results)
+            s.update(engine=name, concurrency=c, workload="grounded", precision=args.precision,
+                     per_category={kind: summarize([r for (k, _), r in zip(prompts, results) if k == kind])
+                                   ["output_tokens_per_s"] for kind in dict.fromkeys(k for k, _ in prompts)})
+            print_row(f"{name} c={c}", s)
+            rows.append(s)
+    return rows
+
+
 def device_name(device: str) -> str:
     if device == "cpu":
         return "cpu"
@@ -470,14 +511,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, default=None, help="our checkpoint (default: checkpoints/MODEL)")
     p.add_argument("--engines", default="ours,llama-server",
                    help="comma-separated: ours, ours-no-prepack (serve.py --no-prepack), ours-regional "
-                        "(--compile_mode regional), llama-server, "
+                        "(--compile_mode regional), ours-ngram, ours-suffix (--speculative), llama-server, "
                         "transformers (generate_batch, throughput workload only)")
     p.add_argument("--precision", choices=["float32", "bfloat16", "int8"], default="float32",
                    help="float32: ours float32 against llama.cpp F32; int8: ours int8 against Q8_0 "
                         "(bfloat16 activations on a GPU); bfloat16: ours and transformers")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (ours and transformers)")
-    p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix", "system-prompt", "mixed-lengths"],
-                   default="throughput")
+    p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix", "system-prompt", "mixed-lengths",
+                                          "grounded"], default="throughput")
+    p.add_argument("--per_category", type=int, default=5, help="grounded: prompts of each kind (at most 5)")
     p.add_argument("--before", type=Path, default=None,
                    help="the engine `before`: serve.py of this tree (a worktree of an earlier commit)")
     p.add_argument("--slots", type=int, default=4,
@@ -531,7 +573,14 @@ def main(argv=None):
         with open(args.logdir / "ours-regional.log", "a") as f:
             return start_ours(args, slots, ctx, f, ("--compile_mode", "regional"))
 
-    known = {"ours": ours, "before": before, "ours-no-prepack": ours_unpacked, "ours-regional": ours_regional, "llama-server": llama,
+    def ours_speculating(kind):  # serve.py --speculative kind
+        def start(args, slots, ctx):
+            with open(args.logdir / f"ours-{kind}.log", "a") as f:
+                return start_ours(args, slots, ctx, f, ("--speculative", kind))
+        return start
+
+    known = {"ours": ours, "before": before, "ours-no-prepack": ours_unpacked, "ours-regional": ours_regional,
+             "ours-ngram": ours_speculating("ngram"), "ours-suffix": ours_speculating("suffix"), "llama-server": llama,
              "transformers": None}
     names = args.engines.split(",")
     if unknown := [n for n in names if n not in known]:
@@ -550,7 +599,7 @@ def main(argv=None):
     args.suffix_len = args.suffix_len or defaults[1]
     run = {"throughput": workload_throughput, "long-prompt": workload_long_prompt,
            "shared-prefix": workload_shared_prefix, "system-prompt": workload_system_prompt,
-           "mixed-lengths": workload_mixed_lengths}[args.workload]
+           "mixed-lengths": workload_mixed_lengths, "grounded": workload_grounded}[args.workload]
     rows = run(args, starters)
     if args.json:
         meta = {"machine_threads": THREADS, "device": device_name(args.device), "date": time.strftime("%Y-%m-%d"),
