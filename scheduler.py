@@ -7,6 +7,9 @@ it has not fed yet: one (its last sampled token: decoding), or many (a prompt, a
 the tokens a grammar forced). A token rides in the step's one forward as a row of its own (every
 decoding request, and prompt tokens beside them, `rides`), or a prompt goes in a chunk of its own
 (`chunks`). When its last pending token has been fed, its logits give the request its next token.
+A decoding request with proposals (serve.py --speculative, speculation.py) feeds its last token and
+them, a ride each whose logits are wanted (a verify): it keeps what the target accepts, and the
+keys of the rejected ones, past `fed`, are written over by later feeds and never sealed.
 
 Blocks: a request starts on the cached blocks that hold the longest beginning of its tokens
 (blocks.BlockManager.match), and takes fresh ones as it grows; a full block is sealed under its

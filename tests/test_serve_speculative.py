@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+import kernels
 from conftest import TEST_DEVICE, random_model, run_script
 from engine import Engine
 from sampling import Sampling, logits_to_probs
@@ -46,17 +47,24 @@ class Oracle(Speculation):
         return out
 
 
-@pytest.mark.parametrize("kind", ["oracle", "ngram", "suffix"])
-def test_verify_rows_give_each_request_its_greedy_tokens(kind):
+@pytest.mark.parametrize("kind,compiled", [("oracle", False), ("oracle", True), ("ngram", False), ("suffix", False)])
+def test_verify_rows_give_each_request_its_greedy_tokens(kind, compiled):
     """Requests joining at different steps, some opted out or asking for logprobs (no proposals)
-    beside speculating ones: every request's tokens equal its solo greedy run."""
+    beside speculating ones: every request's tokens equal its solo greedy run, eager and compiled
+    (after serve.py's warm-up, no verify step compiles)."""
     model = random_model(device=TEST_DEVICE)
     ps = repetitive(7, seed=1)
     want = [alone(model, p, 16) for p in ps]
     spec = Oracle({tuple(p): w for p, w in zip(ps, want)}) if kind == "oracle" else Speculation(kind, k_max=6)
-    engine = serving(copy.deepcopy(model), 4, 256, speculation=spec, prefill_chunk=16)
+    fast = kernels.install(copy.deepcopy(model)) if compiled else copy.deepcopy(model)
+    engine = serving(fast, 4, 256, speculation=spec, prefill_chunk=16, compile=compiled)
     reqs = [Request(p, 16, speculative=i != 2, logprobs=1 if i == 4 else None) for i, p in enumerate(ps)]
-    run_all(engine, {0: reqs[:2], 3: reqs[2:5], 9: reqs[5:]})
+    if compiled:  # serve.py's warm-up compiles every shape a verify takes too
+        import serve
+        torch._dynamo.reset()
+        serve.warm_up(engine)
+    with torch.compiler.set_stance("fail_on_recompile" if compiled else "default"):
+        run_all(engine, {0: reqs[:2], 3: reqs[2:5], 9: reqs[5:]})
     assert [r.out for r in reqs] == want
     assert spec.verifies > 0 and len(reqs[4].token_logprobs) == 16 and not spec.states  # states end with requests
     if kind == "oracle":
@@ -193,10 +201,10 @@ def test_serve_refuses_a_draft_and_bad_speculate_k(smollm2_dir):
 
 
 def test_server_text_as_generate_and_the_opt_out(smollm2_dir):
-    """serve.py --speculative suffix gives generate.py's greedy text, with proposals and opted out;
-    a `speculative` that is not a boolean is a 400."""
+    """serve.py --speculative suffix gives generate.py's greedy text, with proposals (some accepted,
+    /metrics says) and opted out (none); a `speculative` that is not a boolean is a 400."""
     import openai
-    from test_serve import API_KEY, start_server, stop_server
+    from test_serve import API_KEY, metrics, start_server, stop_server
     prompt = "Copy this line twice: the quick brown fox jumps over the lazy dog.\nthe quick brown fox"
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--prompt", prompt, "--max_new_tokens", 24,
                    "--dtype", "float32", "--device", "cpu", "--no-compile")
@@ -209,6 +217,10 @@ def test_server_text_as_generate_and_the_opt_out(smollm2_dir):
             out = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=24, temperature=0,
                                             extra_body=extra)
             assert out.choices[0].text == r.stdout[:-1]
+            if not extra:
+                accepted = metrics(url)["minillm_speculative_accepted_tokens_total"]
+                assert accepted > 0
+        assert metrics(url)["minillm_speculative_accepted_tokens_total"] == accepted  # opted out: no proposals
         with pytest.raises(openai.BadRequestError, match="speculative"):
             client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=4, extra_body={"speculative": 1})
     finally:
