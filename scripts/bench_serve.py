@@ -98,6 +98,15 @@ def start_ours(args, slots: int, ctx: int, logfile, extra=(), root: Path = ROOT)
     return proc, url
 
 
+def speculation_counts(url: str) -> dict:
+    """A serve.py --speculative server's verifies, proposed and accepted tokens so far (/metrics)."""
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=2).read().decode()
+    except OSError:
+        return {}
+    return {m[0]: float(m[1]) for m in re.findall(r"^minillm_speculative_(\w+)_total (\S+)$", text, re.M)}
+
+
 class MetricsPoller:
     """Reads a server's /metrics every `every` seconds while a load runs: the peak of each gauge
     named, and each one's mean over the polls."""
@@ -338,7 +347,9 @@ def workload_throughput(args, starters: dict) -> list:
                 else:
                     url = servers[name][1]
                     run_load(url, warmup, 4, c)
+                    before = speculation_counts(url)
                     s = summarize(run_load(url, prompts, args.output_len, c))
+                    s.update({f"speculative_{k}": v - before[k] for k, v in speculation_counts(url).items()})
                 s.update(engine=name, concurrency=c, workload="throughput", precision=args.precision)
                 rows.append(s)
                 print_row(f"{name} c={c}", s)
@@ -494,6 +505,7 @@ def workload_grounded(args, starters: dict) -> list:
         print(HEADER)
         for c in levels:
             results, seconds = {name: [] for name in servers}, {name: [0.0] * len(ids) for name in servers}
+            before = {name: speculation_counts(url) for name, (_, url) in servers.items()}
             for i in range(0, len(ids), c):
                 for name, (_, url) in servers.items():
                     batch = run_load(url, ids[i:i + c], args.output_len, c, to_eos=True)
@@ -508,6 +520,8 @@ def workload_grounded(args, starters: dict) -> list:
                          per_category={kind: sum(r["tokens"] for r, k in zip(results[name], kinds) if k == kind) /
                                        sum(t for t, k in zip(seconds[name], kinds) if k == kind)
                                        for kind in dict.fromkeys(kinds)})
+                s.update({f"speculative_{k}": v - before[name][k]
+                          for k, v in speculation_counts(servers[name][1]).items()})
                 print_row(f"{name} c={c}", s)
                 print("  out tok/s by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in s["per_category"].items()),
                       flush=True)
