@@ -63,7 +63,7 @@ class Engine:
                  compile_mode: str = "default", compile_prefill: bool = False, prefill_chunk: Optional[int] = None,
                  max_waiting: int = 64, prefix_caching: bool = True, fused_rows: Optional[int] = None,
                  pad_rows: Optional[bool] = None, same_bits: bool = False, kv_buckets: bool = False,
-                 sample_in_step: bool = True, prepack: bool = False):
+                 sample_in_step: bool = True, prepack: bool = False, speculation: Optional[object] = None):
         if prepack:  # steps of many rows: their products read oneDNN's layout of the weights
             kernels.prepack(model)
         self.model, self.device, self.kv_buckets = model, model.norm.weight.device, kv_buckets
@@ -84,6 +84,7 @@ class Engine:
         self.fused_rows, self.prefill_chunk, self.max_waiting = fused_rows, prefill_chunk, max_waiting
         self.forces_whole = True  # feed the tokens a grammar forces as one chunk (jump_forward)
         self.store = None  # the prefix cache on disk (prompt_store.PromptStore), when one is open
+        self.speculation = speculation  # verify rows in the step (speculation.Speculation: serve.py --speculative)
         self.setup(max_batch_size, max_seq_length, kv_tokens, prefix_caching)
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
         self.wakeup = threading.Event()  # set by submit and cancel
@@ -114,6 +115,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_batch_size, self.fused_rows, self.chunk_tokens(),
                                    self.max_waiting, recompute_position(self.model.args), window, self.window_blocks)
         self.scheduler.jump_forward = self.forces_whole
+        self.scheduler.speculation = self.speculation
 
     def chunk_tokens(self) -> int:
         return self.prefill_chunk or self.max_seq_length
@@ -263,7 +265,7 @@ class Engine:
         goes in with them."""
         wanted = [plan.requests[i] for i in plan.wants]
         s = wanted[0].sampling if wanted else None
-        if not (self.sample_in_step and wanted and not plan.chunks and all(
+        if not (self.sample_in_step and wanted and not plan.chunks and not plan.verifies and all(
                 r.sampling == s and not s.adjusts and r.logprobs is None and r.generator is None for r in wanted)):
             return
         plan.sampling = s
@@ -378,7 +380,8 @@ class Engine:
         fed = collections.Counter(plan.requests)
         for req, (tokens, _, _, *_) in zip(plan.chunk_requests, plan.chunks):
             fed[req] += len(tokens)
-        ready = [(plan.requests[i], rides_out[j]) for j, i in enumerate(plan.wants)]
+        verified = self.verify(plan, rides_out, fed)
+        ready = [(req, rides_out[j]) for j, i in enumerate(plan.wants) if (req := plan.requests[i]) not in plan.verifies]
         for req, (tokens, start, _, *every), logits in zip(plan.chunk_requests, plan.chunks, chunks_out):
             if every and every[0]:  # a prompt scored for its logprobs: every token's logits (T, V)
                 score_prompt(req, start, len(tokens), logits)
@@ -395,7 +398,22 @@ class Engine:
             except Exception as e:
                 for req, _ in ready:
                     self.scheduler.finish(req, "error", f"sampling failed: {type(e).__name__}: {e}")
-        self.scheduler.postprocess(plan, fed, sampled)
+        self.scheduler.postprocess(plan, fed, sampled, verified)
+
+    def verify(self, plan: StepPlan, rides_out: Optional[Tensor], fed: collections.Counter) -> dict:
+        """Each verify's new tokens (request -> its accepted proposals and the target's token after
+        them), its cache kept up to them (fed): the keys of rejected proposals are written over later."""
+        rows = collections.defaultdict(list)
+        for j, i in enumerate(plan.wants):
+            rows[plan.requests[i]].append(j)
+        verified = {}
+        for req, drafts in plan.verifies.items():
+            try:
+                verified[req] = self.speculation.accept(req, rides_out[rows[req]], drafts)
+                fed[req] = len(verified[req])  # its last token and the accepted proposals
+            except Exception as e:
+                self.scheduler.finish(req, "error", f"verifying failed: {type(e).__name__}: {e}")
+        return verified
 
     def start(self, request: Request):
         """Admit request at once, on whatever the prefix cache holds of it, for a caller that feeds

@@ -107,7 +107,8 @@ class Server:
                       stream=bool(body.get("stream")), include_usage=include_usage,
                       ignore_eos=bool(body.get("ignore_eos")), logprobs=logprobs, echo=echo, grammar=grammar,
                       tool_call=tool_call, tool_name=tool_name, functions=functions,
-                      call_format=self.call_format if reads_calls else None)
+                      call_format=self.call_format if reads_calls else None,
+                      speculative=body.get("speculative") is not False)
 
     def parse_constraint(self, body: dict, chat: bool) -> tuple:
         """(the compiled grammar every choice must match or None, whether the output is a tool call,
@@ -183,7 +184,8 @@ class Server:
                                      stop_ids=frozenset() if params.ignore_eos else self.stop_ids,
                                      on_token=choice.on_token, on_finish=choice.on_finish, constraint=constraint,
                                      logprobs=params.logprobs,
-                                     prompt_logprobs=params.logprobs if params.echo else None)
+                                     prompt_logprobs=params.logprobs if params.echo else None,
+                                     speculative=params.speculative)
             choices.append(choice)
         submitted = []
         try:

@@ -20,6 +20,7 @@ FIELDS = {  # accepted fields -> value kinds (a type is checked here; the others
     "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float, "min_p": float,
     "logit_bias": dict, "response_format": dict, "regex": str, "grammar": str,
     "guided_regex": str, "guided_grammar": str, "guided_json": "schema",
+    "speculative": bool,  # this server's extension: false runs the request without serve.py --speculative's proposals
 }
 NEUTRAL = {  # not supported: accepted at the value that means "off", a 400 otherwise
     "best_of": (1,), "echo": (False,), "suffix": ("",), "top_logprobs": (0,), "tools": ([],),
@@ -67,6 +68,7 @@ class Params:
                                      # is {"name": ..., "arguments": ...} (tool_choice "required")
     functions: frozenset = frozenset()  # the names of the functions in `tools`
     call_format: Optional[CallFormat] = None  # tool_choice "auto": calls are read from the text in this format
+    speculative: bool = True  # false: no proposals for it under serve.py --speculative (the output is the same)
 
 
 KIND_NAMES = {float: "a number", int: "an integer", bool: "a boolean", str: "a string", dict: "an object",

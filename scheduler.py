@@ -7,6 +7,9 @@ it has not fed yet: one (its last sampled token: decoding), or many (a prompt, a
 the tokens a grammar forced). A token rides in the step's one forward as a row of its own (every
 decoding request, and prompt tokens beside them, `rides`), or a prompt goes in a chunk of its own
 (`chunks`). When its last pending token has been fed, its logits give the request its next token.
+A decoding request with proposals (serve.py --speculative, speculation.py) feeds its last token and
+them, a ride each whose logits are wanted (a verify): it keeps what the target accepts, and the
+keys of the rejected ones, past `fed`, are written over by later feeds and never sealed.
 
 Blocks: a request starts on the cached blocks that hold the longest beginning of its tokens
 (blocks.BlockManager.match), and takes fresh ones as it grows; a full block is sealed under its
@@ -46,6 +49,7 @@ class Request:
     constraint: Optional[object] = None  # a grammar.Constraint: the output must match it
     logprobs: Optional[int] = None  # record each token's logprob and this many top ones
     prompt_logprobs: Optional[int] = None  # ... of the prompt's tokens too (fed afresh, not from the prefix cache)
+    speculative: bool = True  # with a scheduler's speculation: propose tokens for it (False: it opts out)
     out: list = field(default_factory=list)  # the new token ids
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled" | "error"
     error: Optional[str] = None
@@ -114,6 +118,7 @@ class StepPlan:
     chunks: list = field(default_factory=list)
     requests: list = field(default_factory=list)  # the request of each ride
     chunk_requests: list = field(default_factory=list)
+    verifies: dict = field(default_factory=dict)  # request -> its proposals, riding after its last token
     sampling: Optional[object] = None  # the rides' wanted rows sample inside the step, all alike
     mask: Optional[object] = None  # ... masked by their grammars (bits, grammar.token_masks)
 
@@ -140,6 +145,7 @@ class Scheduler:
         self.lock = threading.Lock()  # submit and cancel come from other threads
         self.admissions = 0
         self.jump_forward = True  # feed the tokens a grammar forces as one chunk (False: one step each)
+        self.speculation = None  # proposals for decoding requests (speculation.Speculation), where served
         self.counters = collections.Counter(prompt_tokens=0, prefilled_tokens=0, cached_tokens=0,
                                             generated_tokens=0, requests_finished=0, preemptions=0,
                                             prefix_queries=0, prefix_hits=0)
@@ -175,12 +181,37 @@ class Scheduler:
         for req in list(decoding):
             if req in self.running and not self.make_room(req, req.fed + 1, plan):
                 decoding.remove(req)
-        for req in [r for r in decoding if r in self.running]:
-            plan.rides.append((req.known()[-1], req.fed, req.tables()))
-            plan.wants.append(len(plan.rides) - 1)
-            plan.requests.append(req)
+        decoding = [r for r in decoding if r in self.running]
+        proposals = self.speculation.propose(decoding) if self.speculation is not None else {}
+        for req in decoding:
+            drafts = self.fit_proposals(req, proposals.get(req, []))
+            if drafts:
+                plan.verifies[req] = drafts
+            for j, token in enumerate([req.known()[-1]] + drafts):  # a verify: every row's logits
+                plan.rides.append((token, req.fed + j, req.tables()))
+                plan.wants.append(len(plan.rides) - 1)
+                plan.requests.append(req)
         self.plan_prompts(plan)
         return plan
+
+    def fit_proposals(self, req: Request, drafts: list) -> list:
+        """As many of req's proposals as its blocks and the free blocks that no running request
+        is promised hold (a proposal never preempts), and before a LongRoPE model's switch."""
+        m = len(drafts)
+        if self.recompute_at is not None:
+            m = min(m, self.recompute_at - req.fed - 1)
+        groups = [(self.blocks, req.blocks, self.promised())]
+        if self.window_blocks:
+            groups.append((self.window_blocks, req.window_blocks, 0))
+
+        def short(m: int) -> bool:  # m proposals need blocks that are not spare
+            return any(0 < manager.blocks_for(req.fed + 1 + m) - len(table) > manager.free_count() - promised
+                       for manager, table, promised in groups)
+        while m > 0 and short(m):
+            m -= 1
+        if m > 0:
+            self.make_room(req, req.fed + 1 + m, StepPlan())  # free blocks enough: nobody is preempted
+        return drafts[:max(m, 0)]
 
     def recompute_if_crossing(self, req: Request):
         """A LongRoPE model's request whose next forward takes it past the switch, with keys rotated
@@ -346,9 +377,10 @@ class Scheduler:
         req.cached_tokens += len(more) * bs
         self.counters.update(cached_tokens=len(more) * bs, prefix_hits=len(more) * bs)
 
-    def postprocess(self, plan: StepPlan, fed: dict, sampled: dict):
-        """After the step ran: fed (request -> tokens its keys were written for) advance and seal
-        what is full; sampled (request -> token id) go to their requests."""
+    def postprocess(self, plan: StepPlan, fed: dict, sampled: dict, verified: Optional[dict] = None):
+        """After the step ran: fed (request -> tokens its keys were written for and kept) advance
+        and seal what is full; sampled (request -> token id) go to their requests, and verified
+        (request -> a verify's accepted proposals and the target's token after them)."""
         for req, n in fed.items():
             if req.finish_reason is None and req in self.running:
                 prompt_part = max(0, min(n, len(req.prompt) - req.fed))
@@ -361,6 +393,9 @@ class Scheduler:
                 self.finish(req, "length")  # no new tokens asked for (an echoed prompt alone), its prompt fed
             elif req.finish_reason is None and req in self.running:
                 self.hand_out(req, req.take(token, jump=self.jump_forward and token not in req.stop_ids))
+        for req, tokens in (verified or {}).items():
+            if req.finish_reason is None and req in self.running:
+                self.hand_out(req, tokens)
 
     def seal_full(self, req: Request):
         if not self.blocks.prefix_caching:
@@ -398,6 +433,8 @@ class Scheduler:
             return
         req.finish_reason, req.error = reason, error
         self.counters["requests_finished"] += 1
+        if self.speculation is not None:
+            self.speculation.finish(req)
         if req.on_finish:
             try:
                 req.on_finish(req)

@@ -15,6 +15,7 @@ DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_TEXT = DATA / "hamlet.txt"  # eval.py's
 DEFAULT_CALIBRATION = DATA / "macbeth.txt"  # quantize.py's, for GPTQ
 DEVICE_HELP = "cpu, cuda, cuda:1, ... (default: cuda where there is one, else cpu)"
+SERVED_PROPOSERS = ("ngram", "suffix")  # speculation.KINDS: serve.py --speculative
 
 
 # ---------------------------------------------------------------- serve.py
@@ -51,6 +52,13 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="keep the prompts' KV cache blocks on disk here too: after a restart a request that "
                         "begins like an earlier one loads them instead of computing them")
     p.add_argument("--prompt_cache_gb", type=float, default=4.0, help="the --prompt_cache folder's size at most")
+    p.add_argument("--speculative", default=None, metavar="|".join(SERVED_PROPOSERS),
+                   help="speculative decoding in the batched step: ngram (prompt lookup) or suffix (the most frequent "
+                        "continuation in a trie of this and earlier requests' prompts and outputs); a request opts "
+                        "out with \"speculative\": false. Proposals shrink as more requests decode, to none from "
+                        "12 on (default: off)")
+    p.add_argument("--speculate_k", type=int, default=8,
+                   help="with --speculative: tokens a request proposes per step, at most (default: 8)")
     add_serve_running_args(p)
     return p
 
@@ -97,6 +105,13 @@ def check_serve_args(args):
         raise UserError("--microbatches goes with --pp and must be at least 1")
     if args.pp > 1 and args.prompt_cache is not None:
         raise UserError("--pp runs without --prompt_cache")
+    if args.speculative == "draft":
+        raise UserError("serve.py --speculative takes ngram or suffix: a draft model would need a KV cache per "
+                        "request of its own (generate.py --draft_checkpoint runs one)")
+    if args.speculative is not None and args.speculative not in SERVED_PROPOSERS:
+        raise UserError(f"unknown --speculative {args.speculative!r} (choose {' or '.join(SERVED_PROPOSERS)})")
+    if args.speculate_k < 1:
+        raise UserError("--speculate_k must be at least 1")
     require_dir(args.checkpoint)
 
 

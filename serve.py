@@ -28,6 +28,11 @@ other ranks, which run the same forward passes on their shards; send SIGTERM to 
 for a graceful stop (torchrun treats a SIGTERM of its own as a failure and ends every rank at once).
 A rank or host lost mid-way (liveness.py) ends the server: its open requests get an error naming
 the lost rank, and it exits with status 1.
+
+Speculative decoding (--speculative ngram|suffix, speculation.py): a request's proposals ride in
+the batched step beside the other rows and each accepts its own count; the greedy text is the same
+as without. A request opts out with the extra field `"speculative": false`; one with a grammar,
+logprobs, penalties, logit_bias or a seed runs without proposals.
 """
 import gc
 import signal
@@ -58,6 +63,7 @@ from openai_api import Server, build_app
 from prompt_store import open_store
 from rope import recompute_position, trained_context
 from scheduler import StepPlan
+from speculation import Speculation
 from tokenizer import Tokenizer
 from pipeline import init_from_env, leads
 
@@ -131,7 +137,8 @@ def load_engine(args, tp) -> tuple[Tokenizer, Engine]:
     log(f"loaded {args.checkpoint} ({model.args.architecture}, {weights}) in {time.perf_counter() - start:.1f} s")
     engine = Engine.for_serving(model, args.max_batch_size, args.max_seq_length, kv_tokens=kv_tokens(args),
                                 compile=args.compile, compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk,
-                                max_waiting=args.max_waiting, prefix_caching=args.prefix_reuse, prepack=args.prepack)
+                                max_waiting=args.max_waiting, prefix_caching=args.prefix_reuse, prepack=args.prepack,
+                                speculation=Speculation(args.speculative, args.speculate_k) if args.speculative else None)
     if args.prompt_cache is not None and engine.blocks.prefix_caching:
         open_store(args.prompt_cache, args.checkpoint, model, engine, tp.rank if tp is not None else 0,
                    int(args.prompt_cache_gb * 2 ** 30))

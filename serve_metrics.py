@@ -48,3 +48,9 @@ class EngineCollector:
             ("minillm_requests_finished", "requests_finished", "Requests finished, for any reason"),
         ]:
             yield CounterMetricFamily(name, text, value=c[key])
+        spec = self.engine.speculation
+        if spec is not None:  # serve.py --speculative
+            yield CounterMetricFamily("minillm_speculative_verifies", "Verify rows run", value=spec.verifies)
+            yield CounterMetricFamily("minillm_speculative_proposed_tokens", "Tokens proposed", value=spec.proposed)
+            yield CounterMetricFamily("minillm_speculative_accepted_tokens", "Proposed tokens accepted",
+                                      value=spec.accepted)

@@ -10,6 +10,9 @@ inter-token latency (ITL), median and p99.
         # 16 requests, one 1,024-token system prompt: peak KV blocks, TTFT with the prefix cache and without
     python -m scripts.bench_serve --workload mixed-lengths --engines ours,before --before /tmp/main
         # prompts of 64 to 4,000 tokens at the same KV memory: how many requests run at once
+    python -m scripts.bench_serve --workload grounded --engines ours,ours-suffix --concurrency 1
+        # chat prompts that quote what the answer repeats (data/speculative_prompts.json), greedy, to EOS
+    python -m scripts.bench_serve --engines ours,ours-suffix --concurrency 16   # speculation's cost under load
 
 Each engine is started here on the same weights (ours: serve.py on checkpoints/MODEL; llama-server:
 the F32 or Q8_0 GGUF of the same weights, built by scripts/build_llama_server.sh), or --url points
@@ -95,6 +98,15 @@ def start_ours(args, slots: int, ctx: int, logfile, extra=(), root: Path = ROOT)
     return proc, url
 
 
+def speculation_counts(url: str) -> dict:
+    """A serve.py --speculative server's verifies, proposed and accepted tokens so far (/metrics)."""
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=2).read().decode()
+    except OSError:
+        return {}
+    return {m[0]: float(m[1]) for m in re.findall(r"^minillm_speculative_(\w+)_total (\S+)$", text, re.M)}
+
+
 class MetricsPoller:
     """Reads a server's /metrics every `every` seconds while a load runs: the peak of each gauge
     named, and each one's mean over the polls."""
@@ -162,11 +174,12 @@ def stop(proc: subprocess.Popen):
         proc.kill()
 
 
-def one_request(url: str, prompt: list, max_tokens: int, result: dict):
-    """A streamed completion; records when it was sent, each chunk's arrival and the token count."""
+def one_request(url: str, prompt: list, max_tokens: int, result: dict, to_eos: bool = False):
+    """A streamed completion (to_eos: ending at EOS, else at max_tokens); records when it was sent,
+    each chunk's arrival and the token count."""
     host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": not to_eos, "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection(host, int(port), timeout=600)
     result["start"] = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
@@ -192,7 +205,7 @@ def one_request(url: str, prompt: list, max_tokens: int, result: dict):
 
 
 def run_load(url: str, prompts: list, max_tokens: int, concurrency: int, rate: float = 0.0,
-             delays: list = None) -> list:
+             delays: list = None, to_eos: bool = False) -> list:
     """Send every prompt, at most `concurrency` at a time (and, rate > 0, Poisson arrivals at that
     many per second, or at the given delays); returns one result dict per request."""
     results = [dict() for _ in prompts]
@@ -201,7 +214,8 @@ def run_load(url: str, prompts: list, max_tokens: int, concurrency: int, rate: f
 
     def worker(i):
         try:
-            one_request(url, prompts[i], max_tokens if isinstance(max_tokens, int) else max_tokens[i], results[i])
+            one_request(url, prompts[i], max_tokens if isinstance(max_tokens, int) else max_tokens[i], results[i],
+                        to_eos)
         except Exception as e:  # reported in the results
             results[i]["error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -333,7 +347,9 @@ def workload_throughput(args, starters: dict) -> list:
                 else:
                     url = servers[name][1]
                     run_load(url, warmup, 4, c)
+                    before = speculation_counts(url)
                     s = summarize(run_load(url, prompts, args.output_len, c))
+                    s.update({f"speculative_{k}": v - before[k] for k, v in speculation_counts(url).items()})
                 s.update(engine=name, concurrency=c, workload="throughput", precision=args.precision)
                 rows.append(s)
                 print_row(f"{name} c={c}", s)
@@ -457,6 +473,65 @@ def workload_mixed_lengths(args, starters: dict) -> list:
     return rows
 
 
+def grounded_prompts(checkpoint: Path, per_category: int) -> list:
+    """(category, token ids) of data/speculative_prompts.json's grounded kinds, through the chat template."""
+    from tokenizer import Tokenizer
+    tokenizer = Tokenizer(checkpoint)
+    categories = json.loads((ROOT / "data" / "speculative_prompts.json").read_text())["categories"]
+    out = []
+    for kind in ("summarise", "edit_code", "document_qa", "multi_turn"):
+        for chat in categories[kind]["prompts"][:per_category]:
+            messages = [{"role": "user", "content": chat}] if isinstance(chat, str) else chat
+            out.append((kind, tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=False)))
+    return out
+
+
+def workload_grounded(args, starters: dict) -> list:
+    """Chat prompts whose answers repeat what they quote (summarise, edit code, answer from a
+    document, a conversation's repeat), greedy to EOS or --output_len: where speculation pays.
+    Every engine's server runs at once and each batch of `concurrency` prompts goes to one after
+    the other, so that another job on the machine slows them alike; a figure counts its engine's
+    batches' time only. Every prompt is new to the server (the suffix store holds the earlier
+    prompts' text and answers, not its own)."""
+    prompts = grounded_prompts(args.checkpoint, args.per_category)
+    ids, kinds = [p for _, p in prompts], [k for k, _ in prompts]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    ctx = max(map(len, ids)) + args.output_len + 8
+    servers = {name: start(args, max(levels), ctx) for name, start in starters.items()}
+    rows = []
+    try:
+        for _, url in servers.values():
+            run_load(url, random_prompts(2, 32, args.vocab, seed=1004), 4, 2)  # first-use costs out of the figures
+        print(HEADER)
+        for c in levels:
+            results, seconds = {name: [] for name in servers}, {name: [0.0] * len(ids) for name in servers}
+            before = {name: speculation_counts(url) for name, (_, url) in servers.items()}
+            for i in range(0, len(ids), c):
+                for name, (_, url) in servers.items():
+                    batch = run_load(url, ids[i:i + c], args.output_len, c, to_eos=True)
+                    results[name] += batch
+                    took = max(r["end"] for r in batch) - min(r["start"] for r in batch)
+                    seconds[name][i:i + c] = [took / len(batch)] * len(batch)  # shared out over its prompts
+            for name in servers:
+                s = summarize(results[name])
+                s.update(duration_s=sum(seconds[name]), output_tokens_per_s=s["output_tokens"] / sum(seconds[name]),
+                         requests_per_s=len(ids) / sum(seconds[name]), engine=name, concurrency=c,
+                         workload="grounded", precision=args.precision, output_len=args.output_len,
+                         per_category={kind: sum(r["tokens"] for r, k in zip(results[name], kinds) if k == kind) /
+                                       sum(t for t, k in zip(seconds[name], kinds) if k == kind)
+                                       for kind in dict.fromkeys(kinds)})
+                s.update({f"speculative_{k}": v - before[name][k]
+                          for k, v in speculation_counts(servers[name][1]).items()})
+                print_row(f"{name} c={c}", s)
+                print("  out tok/s by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in s["per_category"].items()),
+                      flush=True)
+                rows.append(s)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    return rows
+
+
 def device_name(device: str) -> str:
     if device == "cpu":
         return "cpu"
@@ -470,14 +545,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, default=None, help="our checkpoint (default: checkpoints/MODEL)")
     p.add_argument("--engines", default="ours,llama-server",
                    help="comma-separated: ours, ours-no-prepack (serve.py --no-prepack), ours-regional "
-                        "(--compile_mode regional), llama-server, "
+                        "(--compile_mode regional), ours-ngram, ours-suffix (--speculative), llama-server, "
                         "transformers (generate_batch, throughput workload only)")
     p.add_argument("--precision", choices=["float32", "bfloat16", "int8"], default="float32",
                    help="float32: ours float32 against llama.cpp F32; int8: ours int8 against Q8_0 "
                         "(bfloat16 activations on a GPU); bfloat16: ours and transformers")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (ours and transformers)")
-    p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix", "system-prompt", "mixed-lengths"],
-                   default="throughput")
+    p.add_argument("--workload", choices=["throughput", "long-prompt", "shared-prefix", "system-prompt", "mixed-lengths",
+                                          "grounded"], default="throughput")
+    p.add_argument("--per_category", type=int, default=5, help="grounded: prompts of each kind (at most 5)")
     p.add_argument("--before", type=Path, default=None,
                    help="the engine `before`: serve.py of this tree (a worktree of an earlier commit)")
     p.add_argument("--slots", type=int, default=4,
@@ -531,7 +607,14 @@ def main(argv=None):
         with open(args.logdir / "ours-regional.log", "a") as f:
             return start_ours(args, slots, ctx, f, ("--compile_mode", "regional"))
 
-    known = {"ours": ours, "before": before, "ours-no-prepack": ours_unpacked, "ours-regional": ours_regional, "llama-server": llama,
+    def ours_speculating(kind):  # serve.py --speculative kind
+        def start(args, slots, ctx):
+            with open(args.logdir / f"ours-{kind}.log", "a") as f:
+                return start_ours(args, slots, ctx, f, ("--speculative", kind))
+        return start
+
+    known = {"ours": ours, "before": before, "ours-no-prepack": ours_unpacked, "ours-regional": ours_regional,
+             "ours-ngram": ours_speculating("ngram"), "ours-suffix": ours_speculating("suffix"), "llama-server": llama,
              "transformers": None}
     names = args.engines.split(",")
     if unknown := [n for n in names if n not in known]:
@@ -550,7 +633,7 @@ def main(argv=None):
     args.suffix_len = args.suffix_len or defaults[1]
     run = {"throughput": workload_throughput, "long-prompt": workload_long_prompt,
            "shared-prefix": workload_shared_prefix, "system-prompt": workload_system_prompt,
-           "mixed-lengths": workload_mixed_lengths}[args.workload]
+           "mixed-lengths": workload_mixed_lengths, "grounded": workload_grounded}[args.workload]
     rows = run(args, starters)
     if args.json:
         meta = {"machine_threads": THREADS, "device": device_name(args.device), "date": time.strftime("%Y-%m-%d"),
