@@ -237,7 +237,8 @@ def assert_target_cache_is_a_plain_run(engine, row, prompt, context):
     bs = engine.block_size
     plain, plain_logits = plain_run(engine.model, prompt, context)
     held = [p for p in range(row.fed) if row.blocks[p // bs] >= 0]
-    assert len(held) >= min(row.fed, engine.model.args.sliding_window or row.fed)
+    window = engine.model.args.sliding_window  # the next query (at row.fed) sees window - 1 kept positions
+    assert len(held) >= (row.fed if window is None else min(row.fed, window - 1))
     kept = [row.blocks[p // bs] * bs + p % bs for p in held]
     torch.testing.assert_close(keys_and_values(engine.model, kept), keys_and_values(plain, held), atol=1e-5, rtol=0)
     logits, cached = logits_after_prefix_cache(engine, context)
@@ -343,7 +344,8 @@ def test_compiled_aside_drafts_eagerly_then_takes_the_graphs_up(target, host):
     text is plain greedy's throughout, and after the take-up nothing compiles."""
     prompt = PROMPTS[2]
     expected = plain_greedy(target, prompt, 40)
-    spec = spec_engine(kernels.install(copy.deepcopy(target)), 4, draft=noisy_copy(target, 0.05), compile=True)
+    spec = spec_engine(kernels.install(copy.deepcopy(target)), 4, draft=noisy_copy(target, 0.05), compile=True,
+                       adaptive=False)  # (a draft as large as the target never pays: the cost model would not draft)
     options = {"logprobs": 1} if host else {}
     torch._dynamo.reset()
     thread = spec.warm_up([prompt], Sampling(), host=host, aside=True)
@@ -425,29 +427,32 @@ def small_vocab_pair():
     return target, draft
 
 
-def distribution_p_value(proposer, s, runs):
+def distribution_p_value(proposer, s, runs, adaptive=False):
     """Sample t1, t2, t3 `runs` times with speculation (k=2) and compare with the exact target
     distribution: the smaller p-value of chi-square tests on the joint (t1, t2, t3) and on
-    (t2, t3) alone (t1 comes from prefill; the marginal has fewer cells, so more power)."""
+    (t2, t3) alone (t1 comes from prefill; the marginal has fewer cells, so more power).
+    adaptive: the cost model may verify fewer proposals, or none (a plain step)."""
     target, draft = small_vocab_pair()
     spec = spec_engine(target, 2, draft=draft if proposer == "draft" else None,
-                       ngram=2 if proposer == "ngram" else None, max_seq_length=32)
+                       ngram=2 if proposer == "ngram" else None, max_seq_length=32, adaptive=adaptive)
     counts = sampled_counts(spec, SAMPLE_PROMPT, s, runs)
     exact = exact_distribution(target, SAMPLE_PROMPT, s)
     return min(chi_square_p_value(counts, exact), chi_square_p_value(counts.sum(0), exact.sum(0)))
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
-def test_speculative_sampling_matches_the_target_distribution(proposer, sampling):
+def test_speculative_sampling_matches_the_target_distribution(proposer, sampling, adaptive):
     # fixed seeds, so the outcome is deterministic; under a correct sampler p is uniform on (0, 1)
-    p = distribution_p_value(proposer, SAMPLINGS[sampling], RUNS)
+    p = distribution_p_value(proposer, SAMPLINGS[sampling], RUNS, adaptive)
     assert p > 1e-3 / 2, p  # two tests per check (Bonferroni)
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
 def test_wrong_resampling_step_is_caught(proposer, monkeypatch):
     # resampling from p instead of norm(max(p - q, 0)) favours the proposals: the same check must fail
+    # (fixed k: every round verifies, as the distribution test's fixed-k runs do)
     monkeypatch.setattr(speculative, "residual_distribution", lambda p, q: p)
     p = distribution_p_value(proposer, SAMPLINGS["t=1"], RUNS)
     assert p < 1e-6, p
