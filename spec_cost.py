@@ -8,8 +8,9 @@ accepted, or none (a plain decoding step) when no count beats plain decoding.
     n*           = argmax_n E[tokens(n)] / cost(n), and 0 unless that beats 1 by MIN_GAIN
 
 - f(n) (`StepCosts`): a target forward over n + 1 tokens (a verify of n proposals) against a
-  plain one-token step, measured once at warm-up (`measure_step_costs`) and then running means of
-  the rounds' own times.
+  plain one-token step: running means of the rounds' own times, a prior (optimistic, so that
+  verifies get tried and timed) where a size has not run. (Steps timed on the scratch block at
+  warm-up took 15-30x a real step's time here: no guide to the real ones.)
 - a_j (`Acceptance`): P(the j-th proposal is accepted | the ones before it were), decayed counts.
   Proposals that were not verified still count: the tokens decoded after them say how many
   would have been accepted (`Shadow`), so a proposer that starts being right again is noticed
@@ -21,11 +22,7 @@ accepted, or none (a plain decoding step) when no count beats plain decoding.
   probabilities of the tokens it chose) falls below a threshold that drops when its recent
   proposals were accepted and rises when they were not.
 """
-import time
 from typing import Optional
-
-from scheduler import StepPlan
-import warmup
 
 MIN_GAIN = 1.02  # the estimates are noisy: a count must beat plain decoding by this to be chosen
 PRIOR_PER_TOKEN = 0.05  # f(n) = 1 + 0.05 n until measured (a CPU verify of a few tokens reads the weights once)
@@ -82,7 +79,8 @@ class StepCosts:
         return min((s / (1 + PRIOR_PER_TOKEN * n) for n, s in enumerate(self.seconds) if s is not None), default=None)
 
     def ratios(self) -> list:
-        """f(0 .. k): never decreasing in n (a longer verify is never cheaper)."""
+        """f(0 .. k): at least 1, and f(n) at most f(m) for m > n (a shorter verify is never dearer:
+        a slow outlier is overruled by a longer verify's time, and so gets tried and timed again)."""
         plain = self.plain_seconds()
         if plain is None:
             return [1 + PRIOR_PER_TOKEN * n for n in range(len(self.seconds))]
@@ -98,7 +96,9 @@ class StepCosts:
                 f = f0 + (f1 - f0) * (n - n0) / (n1 - n0)
             else:
                 f = below[1] + PRIOR_PER_TOKEN * (n - below[0])
-            out.append(max(f, out[-1] if out else 1.0))
+            out.append(max(f, 1.0))
+        for n in range(len(out) - 2, 0, -1):
+            out[n] = min(out[n], out[n + 1])
         return out
 
 
@@ -229,23 +229,3 @@ class RoundPlanner:
 
     def plain(self, seconds: float):
         self.costs.observe(0, seconds)
-
-
-def measure_step_costs(engine, k: int, sampling, repeats: int = 3) -> StepCosts:
-    """Time, on the scratch block, a plain step (the one Engine.generate takes) and verifies of
-    1, 2, 4 and k proposals through the compiled graphs: the fastest of `repeats` each."""
-    costs = StepCosts(k)
-    pos = min(64, engine.max_seq_length - k - 2)
-    plain_plan = warmup.rides(1, pos, sampling=sampling if engine.sample_in_step and not sampling.adjusts else None)
-    plans = {0: plain_plan}
-    for n in sorted({1, 2, 4, k} & set(range(1, k + 1))):
-        plans[n] = StepPlan(chunks=[([0] * (n + 1), pos, ([], []), True)])
-    for n, plan in plans.items():
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = engine.run(plan)
-            (out[0] if n == 0 else out[1][0]).view(-1)[:1].tolist()  # wait for the device
-            best = min(best, time.perf_counter() - start)
-        costs.seconds[n] = best
-    return costs

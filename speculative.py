@@ -64,7 +64,7 @@ from proposers import Proposer, common_prefix
 from rope import recompute_position
 from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample, sample_probs, token_logprobs
 from scheduler import Request, StepPlan
-from spec_cost import RoundPlanner, StepCosts, measure_step_costs
+from spec_cost import RoundPlanner, StepCosts
 
 
 # ---------------------------------------------------------------- the compiled pieces
@@ -247,9 +247,6 @@ class SpeculativeEngine:
         if aside:
             return warmup.compile_aside(self.engine, plans, then=draft)
         warmup.compile_now(self.engine, plans, then=draft)
-        if self.engine.broadcast is None:  # (tensor-parallel ranks would each have to run the timed steps)
-            with torch.inference_mode():
-                self.costs = measure_step_costs(self.engine, self.k, sampling)
 
     @torch.inference_mode()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=(),

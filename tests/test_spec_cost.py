@@ -42,15 +42,17 @@ def test_best_count_charges_the_proposers_own_cost():
     assert best_count(rates, costs, per_proposal=1.0) == 0  # a draft as costly as the target never pays
 
 
-def test_step_costs_interpolate_extrapolate_and_never_decrease():
+def test_step_costs_interpolate_extrapolate_and_cap_a_shorter_verify_by_a_longer():
     costs = StepCosts(8)
     assert costs.ratios() == pytest.approx([1 + spec_cost.PRIOR_PER_TOKEN * n for n in range(9)])  # nothing timed
     costs.seconds[:] = [0.010, 0.012, None, None, 0.018, None, None, None, None]
     f = costs.ratios()
     assert f[:5] == pytest.approx([1.0, 1.2, 1.4, 1.6, 1.8])
     assert f[8] == pytest.approx(1.8 + 4 * spec_cost.PRIOR_PER_TOKEN)
-    costs.seconds[2] = 0.009  # a noisy verify faster than a shorter one counts as the shorter's cost
-    assert costs.ratios()[2] == pytest.approx(1.2)
+    costs.seconds[1] = 0.030  # a slow outlier: a longer verify's time overrules it
+    assert costs.ratios()[1] == pytest.approx(1.8)
+    costs.seconds[2] = 0.009  # a verify faster than a plain step (noise) counts as one plain step
+    assert costs.ratios()[:3] == pytest.approx([1.0, 1.0, 1.0])
     only_verify = StepCosts(4)
     only_verify.observe(2, 0.011)  # no plain step timed: its time is estimated from the verify's
     assert only_verify.plain_seconds() == pytest.approx(0.011 / (1 + 2 * spec_cost.PRIOR_PER_TOKEN))
