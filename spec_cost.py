@@ -70,7 +70,10 @@ class StepCosts:
         self.seconds: list = [None] * (k + 1)
 
     def observe(self, n: int, seconds: float):
-        self.seconds[n] = running_mean(self.seconds[n], seconds)
+        old = self.seconds[n]
+        if old is None and n and self.seconds[0] is not None:  # from the prior: one slow first call condemns no size
+            old = self.seconds[0] * (1 + PRIOR_PER_TOKEN * n)
+        self.seconds[n] = running_mean(old, seconds)
 
     def plain_seconds(self) -> Optional[float]:
         """A plain step's time: timed, or (none taken yet) a timed verify's over its prior f(n)."""

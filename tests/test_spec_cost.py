@@ -53,6 +53,10 @@ def test_step_costs_interpolate_extrapolate_and_cap_a_shorter_verify_by_a_longer
     assert costs.ratios()[1] == pytest.approx(1.8)
     costs.seconds[2] = 0.009  # a verify faster than a plain step (noise) counts as one plain step
     assert costs.ratios()[:3] == pytest.approx([1.0, 1.0, 1.0])
+    first = StepCosts(4)
+    first.observe(0, 0.010)
+    first.observe(2, 1.0)  # a first verify 100x slower (a first call's setup): it moves the prior by a fifth
+    assert first.ratios()[2] == pytest.approx(1.1 * 1.2)
     only_verify = StepCosts(4)
     only_verify.observe(2, 0.011)  # no plain step timed: its time is estimated from the verify's
     assert only_verify.plain_seconds() == pytest.approx(0.011 / (1 + 2 * spec_cost.PRIOR_PER_TOKEN))
