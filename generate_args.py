@@ -117,9 +117,10 @@ def add_speculation_args(p):
                         "earlier samples' and chat turns' prompts and outputs; nothing where none is likely enough")
     p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per round, at most (default: 5)")
     p.add_argument("--adaptive_k", action=argparse.BooleanOptionalAction, default=True,
-                   help="adapt the tokens proposed per round to recent acceptance: twice as many after a "
-                        "block accepted whole (up to --speculate_k), fewer after a rejection (default: on; "
-                        "--no-adaptive_k always proposes --speculate_k)")
+                   help="each round verify the number of proposals (up to --speculate_k, or none: a plain "
+                        "step) that gives the most tokens per unit of time, from the measured cost of a verify "
+                        "and the observed acceptance (spec_cost.py); a draft model stops drafting where it "
+                        "grows unsure (default: on; --no-adaptive_k always proposes --speculate_k)")
     p.add_argument("--speculate_tree", type=int, default=0, metavar="NODES",
                    help="with --suffix or --ngram: verify a tree of up to NODES candidates (several likely "
                         "continuations, --speculate_k deep) in each forward instead of one chain, and keep its "

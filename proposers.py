@@ -25,6 +25,7 @@ from grammar import allow_tokens
 from kvcache import ForwardBatch
 from model import Transformer
 from sampling import Sampling, logits_to_probs, sample_probs
+from spec_cost import ChainThreshold
 from suffix import SuffixIndex
 from tree import Tree
 
@@ -39,15 +40,18 @@ def draft_chunk(model: Transformer, tokens: list, start: int):
 
 
 def draft_one_token(model: Transformer, cur: Tensor, input_pos: Tensor, sampling: Optional[Sampling]):
-    """One draft decode step: (next id (1, 1), its distribution q (1, V), or None when greedy);
-    with sampling None its logits (1, V), which a grammar masks on the host."""
+    """One draft decode step: (next id (1, 1), its distribution q (1, V) or None when greedy, the
+    draft's probability of that id (1, 1)); with sampling None its logits (1, V), which a grammar
+    masks on the host."""
     logits = model(cur, input_pos)[:, -1]  # (1, V)
     if sampling is None:
         return logits
     if sampling.temperature == 0:
-        return logits.argmax(-1, keepdim=True), None
+        token = logits.argmax(-1, keepdim=True)
+        return token, None, logits.float().softmax(-1).gather(-1, token)
     q = logits_to_probs(logits, sampling)
-    return sample_probs(q), q
+    token = sample_probs(q)
+    return token, q, q.gather(-1, token)
 
 
 def common_prefix(a: list, b: list) -> int:
@@ -72,6 +76,10 @@ class Proposer(ABC):
     name: str = "proposer"
     model: Optional[Transformer] = None  # a proposer that runs a model names it (its bytes count as read)
     forwards: int = 0  # model forwards so far
+    cheap: bool = True  # a proposal costs nothing next to a target step (a lookup, not a model)
+
+    def adapt(self, on: bool):
+        """Whether the proposer may propose fewer than asked where it is unsure (--adaptive_k)."""
 
     def setup(self, max_seq_length: int):
         """Allocate what the proposer keeps per position (a draft's KV cache)."""
@@ -194,9 +202,11 @@ class DraftProposer(Proposer):
     whose keys and values are in its cache, by position."""
 
     name = "draft"
+    cheap = False
 
     def __init__(self, model: Transformer, compile: bool = False, compile_mode: str = "default"):
         self.model = model
+        self.threshold: Optional[ChainThreshold] = None  # threshold drafting, when adapting
         self.device = model.norm.weight.device  # (a quantized embedding has no .weight)
         self.step = draft_one_token
         if compile:
@@ -213,8 +223,8 @@ class DraftProposer(Proposer):
         cur = token if isinstance(token, Tensor) else torch.tensor([[token]], device=self.device)
         self.forwards += 1
         # clone: under CUDA graphs the next replay overwrites the previous step's outputs
-        tok, q = self.step(self.model, cur, torch.tensor([pos], device=self.device), sampling)
-        return tok.clone(), (None if q is None else q.clone())
+        tok, q, prob = self.step(self.model, cur, torch.tensor([pos], device=self.device), sampling)
+        return tok.clone(), (None if q is None else q.clone()), prob.clone()
 
     def _logits(self, token: int, pos: int) -> Tensor:
         """The draft's logits (1, V) after `token` at cache slot pos."""
@@ -248,20 +258,38 @@ class DraftProposer(Proposer):
             draft_chunk(self.model, chunk, keep)
             self.fed.extend(chunk)
 
+    def adapt(self, on: bool):
+        self.threshold = ChainThreshold() if on else None
+
+    def catch_up(self, context: list):
+        """Feed what the draft has not seen but the last token (the target's tokens: after a fully
+        accepted block also the last proposal, after plain steps each of theirs) as one chunk."""
+        missing = context[len(self.fed):-1]
+        if missing:
+            self.forwards += 1
+            draft_chunk(self.model, missing, len(self.fed))
+            self.fed.extend(missing)
+
+    def unsure(self, chain: float) -> bool:
+        """Threshold drafting: whether the chain drafted so far, of this probability, ends here."""
+        return self.threshold is not None and float(chain) < self.threshold.value  # (a sync only when drafting so)
+
     def propose(self, context: list, k: int, sampling: Sampling) -> tuple:
-        """k drafted ids and their distributions q (k, V) (None when greedy)."""
+        """Up to k drafted ids (k unless threshold drafting stops sooner) and their distributions
+        q (m, V) (None when greedy)."""
         self.take_up(context)
-        # catch up on what the draft has not seen: the target's last token, and after a fully
-        # accepted block also the last proposal, which the draft produced but never fed back
-        for token in context[len(self.fed):]:
-            tok, q = self._one(token, len(self.fed), sampling)
-            self.fed.append(token)
+        self.catch_up(context)
+        tok, q, chain = self._one(context[-1], len(self.fed), sampling)
+        self.fed.append(context[-1])
         self.first_draft_slot = len(self.fed)
         toks, qs = [tok], [q]
         for i in range(k - 1):
-            tok, q = self._one(tok, self.first_draft_slot + i, sampling)
+            if self.unsure(chain):
+                break
+            tok, q, prob = self._one(tok, self.first_draft_slot + i, sampling)
             toks.append(tok)
             qs.append(q)
+            chain *= prob
         drafts = torch.cat(toks).view(-1).tolist()
         self.fed.extend(drafts[:-1])  # the last proposal was not fed
         return drafts, (None if sampling.temperature == 0 else torch.cat(qs))
@@ -271,26 +299,26 @@ class DraftProposer(Proposer):
         they were drawn from (k, V) (None when greedy: masked argmax); up to where the grammar
         completes. (Where it forces tokens the engine inserts its own, and skips these proposals.)"""
         self.take_up(context)
-        missing = context[len(self.fed):]  # the target's new tokens: a sampled one and any a grammar forced
-        if len(missing) > 1:  # all but the last as one chunk
-            self.forwards += 1
-            draft_chunk(self.model, missing[:-1], len(self.fed))
-            self.fed.extend(missing[:-1])
-        logits = self._logits(missing[-1], len(self.fed))
-        self.fed.append(missing[-1])
+        self.catch_up(context)  # the target's new tokens: a sampled one and any a grammar forced
+        logits = self._logits(context[-1], len(self.fed))
+        self.fed.append(context[-1])
         self.first_draft_slot = len(self.fed)
-        drafts, qs = [], []
+        drafts, qs, chain = [], [], 1.0
         for i in range(k):
             if i:
+                if self.unsure(chain):
+                    break
                 logits = self._logits(drafts[-1], self.first_draft_slot + i - 1)
             x = logits.float()
             if constraint is not None:
                 x = allow_tokens(x, [constraint])
             if sampling.temperature == 0:
                 drafts.append(x.argmax(-1).item())
+                chain *= x.softmax(-1)[0, drafts[-1]].item()
             else:
                 qs.append(logits_to_probs(x, sampling))
                 drafts.append(sample_probs(qs[-1]).item())
+                chain *= qs[-1][0, drafts[-1]].item()
             if constraint is not None:
                 constraint.accept(drafts[-1])
                 if constraint.done():
@@ -302,4 +330,6 @@ class DraftProposer(Proposer):
 
     def accepted(self, n: int):
         """n of the last proposals were kept: forget the rest."""
+        if self.threshold is not None:
+            self.threshold.update(len(self.fed) + 1 - self.first_draft_slot, n)  # the last one was not fed
         del self.fed[self.first_draft_slot + n:]

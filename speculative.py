@@ -36,11 +36,13 @@ Under a grammar (a `grammar.Constraint`):
 - the accepted tokens and the target's own are consumed, then what the grammar forces next, which
   the next verify feeds before its proposals. Greedy output is token-identical to Engine's.
 
-How many to propose (`--adaptive_k`, on by default; `next_k`): start at 2, double after a block
-accepted whole (up to --speculate_k), drop to one more than were accepted after a rejection. The
-compiled verify is one dynamic graph for every block length and context length, so a short
-block costs a short verify: the weights are read once either way, the arithmetic and attention
-grow with the block.
+How many to propose (`--adaptive_k`, on by default; spec_cost.py): each round the count that
+gives the most tokens per unit of time, from the measured cost of a verify of n proposals against
+a plain step and the observed acceptance of each proposal position, or none: a round without
+proposals is a plain step through the engine's compiled one-token graph, as Engine.generate
+takes it, so speculation that does not pay costs what plain decoding costs. A draft model stops
+drafting where it grows unsure (threshold drafting). --no-adaptive_k proposes --speculate_k
+every round. The compiled verify is one dynamic graph for every block length and context length.
 
 KV caches: the target's request holds blocks of the engine's paged cache, and every verify is a
 step of the engine (Engine.feed: one chunk, every token's logits); the draft keeps a cache of its
@@ -68,6 +70,7 @@ from proposers import Proposer, common_prefix
 from rope import recompute_position
 from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample, sample_probs, token_logprobs
 from scheduler import Request, StepPlan
+from spec_cost import RoundPlanner, StepCosts
 from tree import Tree, compact, greedy_path, path_slots, sampled_path
 
 
@@ -182,13 +185,14 @@ def build_block(drafts: list, constraint, masks: Optional[Tensor], stop: set, li
     return block, choices, bonus
 
 
-# ---------------------------------------------------------------- adaptive k
+# ---------------------------------------------------------------- a simpler adaptive k
 
 ADAPTIVE_MIN_K = 2
 
 
 def next_k(k: int, accepted: int, proposed: int, k_max: int) -> int:
-    """How many tokens to propose next round, from this round's outcome (--adaptive_k): after a
+    """How many tokens to propose next round, from this round's outcome alone, where no cost model
+    runs (SpeculativeEngine plans with spec_cost.RoundPlanner): after a
     block accepted whole, twice as many (up to k_max); after a rejection, one more than were
     accepted, at least ADAPTIVE_MIN_K. Proposals tend to come in runs: a proposer that is
     copying a passage keeps being right, one that guesses keeps being wrong, and a wrong guess
@@ -238,7 +242,8 @@ class SpeculativeEngine:
         self.engine, self.proposer, self.k, self.adaptive = engine, proposer, k, adaptive
         self.model, self.device, self.compiled = engine.model, engine.device, compile
         self.max_seq_length = engine.max_seq_length
-        self.k_round = k  # this round's proposals at most: k, or next_k's choice when adaptive
+        self.costs = StepCosts(k)  # a verify's cost per proposal count, kept across calls
+        self.planner = RoundPlanner(k, proposer.cheap, self.costs)
         self.jump_forward = True  # feed the tokens a grammar forces with the next block (False: picked one by one)
         self.tree_nodes = tree_nodes  # > 0: each round verifies a tree of up to this many candidates, k deep
         proposer.setup(engine.max_seq_length)
@@ -256,6 +261,8 @@ class SpeculativeEngine:
         plans, host = warmup.chunk_plans(self.engine, self.k + 1), host or constrained  # the verify's shapes
         if self.tree_nodes:  # the verify with a tree's mask is a graph of its own
             plans += tree_plans(self.engine, self.tree_nodes)
+        if not host:  # and the plain step's, which rounds without proposals take
+            plans += warmup.generate_plans(self.engine, prompts, sampling)
         draft = self.proposer.warm_up(sampling, host)  # its step, taken up at the next proposal
         if aside:
             return warmup.compile_aside(self.engine, plans, then=draft)
@@ -282,7 +289,8 @@ class SpeculativeEngine:
         stats = SpecStats(prompt_tokens=len(prompt), new_tokens=0, ttft_s=0.0, decode_s=0.0, token_times=[],
                           k=self.k, histogram=[0] * (self.k + 1))
         draft_forwards_before, eager = self.proposer.forwards, self.engine.eager_steps
-        self.k_round = min(ADAPTIVE_MIN_K, self.k) if self.adaptive else self.k
+        self.planner = RoundPlanner(self.k, self.proposer.cheap, self.costs)
+        self.proposer.adapt(self.adaptive)
         start = time.perf_counter()
         scheduler = self.engine.scheduler
         jump, scheduler.jump_forward = scheduler.jump_forward, False
@@ -356,20 +364,50 @@ class SpeculativeEngine:
                     break
         return emit
 
+    def propose(self, context: list, limit: int, sampling: Sampling, constraint=None, host: bool = False) -> tuple:
+        """This round's proposals, at most limit, and their q: as many as the planner asks for and,
+        of those in hand, chooses to verify (--adaptive_k); else limit. ([], None): a plain step."""
+        n = self.planner.ask(context, limit) if self.adaptive else limit
+        if n <= 0:
+            return [], None
+        start = time.perf_counter()
+        drafts, q = self.proposer.propose_on_host(context, n, sampling, constraint) if host \
+            else self.proposer.propose(context, n, sampling)
+        self.planner.proposed(len(drafts), time.perf_counter() - start)
+        if self.adaptive and drafts:
+            n = self.planner.choose(drafts, len(context))
+            drafts, q = drafts[:n], (None if q is None else q[:n])  # (a draft's are all verified)
+        return drafts, q
+
+    def plain_step(self, row: Request) -> int:
+        """A round without proposals: the engine's compiled one-token step (sampling in the step),
+        the one Engine.generate takes, so that it costs what plain decoding costs."""
+        engine = self.engine
+        if not engine.scheduler.make_room(row, row.fed + 1, StepPlan()):
+            raise UserError("the KV cache cannot hold this sequence")
+        plan = StepPlan(rides=[(row.known()[-1], row.fed, row.tables())], wants=[0], requests=[row])
+        engine.sampling_for(plan)
+        start = time.perf_counter()
+        out = engine.run(plan)[0]
+        token = int(out.view(-1)[0]) if plan.sampling is not None else int(sample(out[:1], row.sampling))
+        self.planner.plain(time.perf_counter() - start)
+        return token
+
     def speculative_decode(self, row: Request, budget: int, stop: set, stats: "SpecStats") -> list:
         """One round: propose, verify in one target forward, accept. Returns the new tokens
         (accepted proposals + the target's own token), cut after a stop token and to `budget`."""
         if self.tree_nodes:
             return self.speculative_tree_decode(row, budget, stop, stats)
-        device, k, sampling, context = self.device, self.k_round, row.sampling, row.known()
+        device, sampling, context = self.device, row.sampling, row.known()
         room = self.max_seq_length - row.fed - 1  # slots after the last token
-        drafts, q = self.proposer.propose(context, min(k, budget - 1), sampling) \
-            if budget > 1 and room >= k else ([], None)
+        drafts, q = self.propose(context, min(self.k, budget - 1), sampling) \
+            if budget > 1 and room >= self.k else ([], None)
         stats.target_forwards += 1
         if not drafts:  # nothing to check: a plain decoding step
             stats.plain_steps += 1
-            return [int(sample(self.engine.feed(row, [context[-1]]).unsqueeze(0), sampling))]
+            return [self.plain_step(row)]
         proposed = len(drafts)
+        start = time.perf_counter()
         target = target_picks(self.engine.feed(row, [context[-1]] + drafts, every=True), sampling)
         if sampling.temperature == 0:
             target = target.tolist()
@@ -382,10 +420,9 @@ class SpeculativeEngine:
                 q = torch.zeros(proposed, target.shape[-1], device=device).scatter_(
                     1, torch.tensor(drafts, device=device).view(-1, 1), 1.0)
             n, next_token = accept_sampled(target, q, drafts)
+        self.planner.verified(proposed, n, time.perf_counter() - start)
         stats.histogram[n] += 1
         stats.proposed += proposed
-        if self.adaptive:
-            self.k_round = next_k(k, n, proposed, self.k)
         new = drafts[:n] + [next_token]
         for i, token in enumerate(new):  # stop inside an accepted block: what follows was never generated
             if token in stop:
@@ -407,7 +444,7 @@ class SpeculativeEngine:
         stats.target_forwards += 1
         if candidates is None or len(candidates) < 2:  # nothing to check: a plain decoding step
             stats.plain_steps += 1
-            return [int(sample(engine.feed(row, [context[-1]]).unsqueeze(0), sampling))]
+            return [self.plain_step(row)]
         target = target_picks(engine.feed(row, candidates.tokens, every=True, tree=candidates), sampling)
         if sampling.temperature == 0:
             path, next_token = greedy_path(candidates, target.tolist())
@@ -445,13 +482,13 @@ class SpeculativeEngine:
         unfed = context[pos:]
         u, V = len(unfed), self.model.args.vocab_size
         limit = min(budget - 1, self.max_seq_length - pos - u)  # block tokens: the target's own token takes the last one
-        drafts, q = self.proposer.propose_on_host(context, min(self.k_round, limit), sampling, c) \
-            if limit > 0 else ([], None)
+        drafts, q = self.propose(context, min(self.k, limit), sampling, c, host=True) if limit > 0 else ([], None)
         allowed = drafts[:c.valid_prefix(drafts)] if c is not None and drafts else drafts
         masks = torch.empty(len(allowed) + 1, (V + 31) // 32, dtype=torch.int32) if c is not None else None
         block, choices, bonus = build_block(allowed, c, masks, stop, limit, jump)
         m, L = len(choices), len(block)
         stats.target_forwards += 1
+        start = time.perf_counter()
         logits = self.engine.feed(row, unfed + block, every=True)  # (u + L, V)
         if not m:  # nothing checked: a plain step over the unfed tokens
             stats.plain_steps += 1
@@ -466,8 +503,10 @@ class SpeculativeEngine:
         if m:
             stats.histogram[n] += 1
             stats.proposed += m
-            if self.adaptive:
-                self.k_round = next_k(self.k_round, n, m, self.k)
+            if u == 1 and L == m:  # a verify alone (no forced tokens): its time is f(m)'s
+                self.planner.verified(m, n, time.perf_counter() - start)
+            else:
+                self.planner.acceptance.record(m, n)
         new = block[:kept] + ([token] if token is not None else [])
         if drafts:  # (also when the grammar cut them all); the last new token is fed next round
             self.proposer.accepted(min(common_prefix(drafts, new), len(new) - 1))

@@ -37,8 +37,9 @@ Current figures and the commands that made them: docs/benchmarks.md.
 Protocol: batch 1, greedy, float32 (the draft too, unless --draft_dtype), --threads threads
 (default 2), chat template on, generation stops at EOS or --max_new_tokens. For each prompt,
 plain decoding, speculative decoding with a fixed k and with the adaptive k (generate.py's
-default, `speculative.next_k`) run one after the other on the same target model and engine
-(plain decoding runs its compiled step, speculation verifies through its compiled chunk
+default: each round's count from spec_cost.py's cost model, none where a plain step is faster)
+run one after the other on the same target model and engine (plain decoding and speculation's
+rounds without proposals run the compiled one-token step, verifies the compiled chunk
 forward); each starts with the prefix cache emptied, so each prefills its prompt in full. Rounds
 repeat the whole set.
 Each engine is warmed up (compiled) before timing. The figures: decode tokens/s of
@@ -208,7 +209,7 @@ def build_engines(name: str, case: dict, target, ids: list, k: int, args) -> tup
 
 
 def speculation_modes(args) -> dict:
-    """mode name -> whether k adapts (speculative.next_k)."""
+    """mode name -> whether k adapts (spec_cost.RoundPlanner)."""
     if args.adaptive == "both":
         return {"fixed": False, "adaptive": True}
     return {args.adaptive: args.adaptive == "adaptive"}

@@ -38,6 +38,13 @@ def noisy_copy(model, std, seed=1):
     return draft
 
 
+def sharpened(model, scale):
+    """The model with its output head scaled: the same greedy choices, `scale` times surer."""
+    with torch.no_grad():
+        model.output.weight.mul_(scale)
+    return model
+
+
 class ScriptedProposer(NgramProposer):
     """Proposes the target's own greedy continuation (known in advance) with every third proposal
     wrong: point-mass proposals with every acceptance length, independent of the n-gram lookup."""
@@ -230,7 +237,8 @@ def assert_target_cache_is_a_plain_run(engine, row, prompt, context):
     bs = engine.block_size
     plain, plain_logits = plain_run(engine.model, prompt, context)
     held = [p for p in range(row.fed) if row.blocks[p // bs] >= 0]
-    assert len(held) >= min(row.fed, engine.model.args.sliding_window or row.fed)
+    window = engine.model.args.sliding_window  # the next query (at row.fed) sees window - 1 kept positions
+    assert len(held) >= (row.fed if window is None else min(row.fed, window - 1))
     kept = [row.blocks[p // bs] * bs + p % bs for p in held]
     torch.testing.assert_close(keys_and_values(engine.model, kept), keys_and_values(plain, held), atol=1e-5, rtol=0)
     logits, cached = logits_after_prefix_cache(engine, context)
@@ -241,13 +249,15 @@ def assert_target_cache_is_a_plain_run(engine, row, prompt, context):
     torch.testing.assert_close(logits, plain_logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_kv_rollback_leaves_caches_as_a_plain_run(window):
+def test_kv_rollback_leaves_caches_as_a_plain_run(window, adaptive):
     # nothing is rewound: rejected positions lie past what the target's request keeps (its blocks)
     # and what the draft keeps (its own cache), and are written again later. Window 6: the sliding
     # layers keep every position and mask the keys outside the window; k = 8 reaches past it.
     # float64: float32 logits already differ by ~1e-5 between a chunked and a one-token-at-a-time
-    # run of the same tokens; in float64 they agree exactly, so any difference is a rollback error
+    # run of the same tokens; in float64 they agree exactly, so any difference is a rollback error.
+    # Adaptive: rounds mix verifies, plain steps and threshold drafting; the draft catches up in chunks
     target = random_model(seed=0, sliding_window=window).double()
     draft = noisy_copy(target, 0.05)
     prompt = PROMPTS[2]
@@ -255,18 +265,19 @@ def test_kv_rollback_leaves_caches_as_a_plain_run(window):
     if window is not None:  # the window is in effect: without it the output differs
         assert expected != plain_greedy(random_model(seed=0).double(), prompt, 48)
     for k in (2, 4, 5, 8):
-        spec = spec_engine(target, k, draft=draft)
+        spec = spec_engine(target, k, draft=draft, adaptive=adaptive)
         started = recorded_requests(spec.engine)
         (out,), stats = spec.generate([prompt], 48, Sampling())
         assert out == expected
-        assert any(stats.histogram[1:k]), stats.histogram  # partial acceptances happened
+        assert any(stats.histogram[1:k]) or adaptive, stats.histogram  # partial acceptances happened
+        assert sum(stats.histogram) > 0 and (stats.plain_steps > 1 or not adaptive), stats
         context = prompt + out
         (row,) = started
         assert row.fed == len(context) - 1  # every token but the last went through the target
         with torch.inference_mode():
             assert_target_cache_is_a_plain_run(spec.engine, row, prompt, context)
             fed = spec.proposer.fed
-            assert fed == context[:len(fed)] and len(fed) >= len(context) - 2
+            assert fed == context[:len(fed)] and (len(fed) >= len(context) - 2 or adaptive)
             got = next_logits_after_run(draft, context, len(fed))
             torch.testing.assert_close(got, plain_run_logits(draft, prompt, context), atol=1e-5, rtol=0)
 
@@ -296,7 +307,7 @@ def test_batch_larger_than_one_is_refused(target):
 
 
 def test_compiled_matches_eager(target, monkeypatch):
-    draft = noisy_copy(target, 0.05)
+    draft = sharpened(noisy_copy(target, 0.05), 4.0)  # sure enough that threshold drafting drafts several
     prompt = PROMPTS[2]
     expected = plain_greedy(target, prompt, 40)
     fast = kernels.install(copy.deepcopy(target))  # the CPU fast paths, against the reference's output
@@ -311,13 +322,15 @@ def test_compiled_matches_eager(target, monkeypatch):
         return chunk(model, tokens, *rest, **views)
 
     spec.engine.short_chunk = recorded
+    monkeypatch.setattr("spec_cost.RoundPlanner.ask", lambda self, known, limit: limit)  # a draft every round
     # the verify graph is dynamic: every proposal count and context length runs the warmed-up graph
     # (guards checked on every call here, so that a call needing another graph would fail)
     monkeypatch.setattr("engine.guards_skipped", lambda skip: contextlib.nullcontext())
     with torch.compiler.set_stance("fail_on_recompile"):
         (out,), stats = spec.generate([prompt], 40, Sampling())
     assert out == expected
-    assert len(set(lengths)) > 1, lengths  # the adaptive k verified blocks of several lengths
+    assert len(set(lengths)) > 1, lengths  # threshold drafting verified blocks of several lengths
+    monkeypatch.undo()
     spec = spec_engine(fast, 4, ngram=2, compile=True)
     (out,), stats = spec.generate([prompt], 40, Sampling())
     assert out == expected
@@ -331,7 +344,8 @@ def test_compiled_aside_drafts_eagerly_then_takes_the_graphs_up(target, host):
     text is plain greedy's throughout, and after the take-up nothing compiles."""
     prompt = PROMPTS[2]
     expected = plain_greedy(target, prompt, 40)
-    spec = spec_engine(kernels.install(copy.deepcopy(target)), 4, draft=noisy_copy(target, 0.05), compile=True)
+    spec = spec_engine(kernels.install(copy.deepcopy(target)), 4, draft=noisy_copy(target, 0.05), compile=True,
+                       adaptive=False)  # (a draft as large as the target never pays: the cost model would not draft)
     options = {"logprobs": 1} if host else {}
     torch._dynamo.reset()
     thread = spec.warm_up([prompt], Sampling(), host=host, aside=True)
@@ -413,29 +427,32 @@ def small_vocab_pair():
     return target, draft
 
 
-def distribution_p_value(proposer, s, runs):
+def distribution_p_value(proposer, s, runs, adaptive=False):
     """Sample t1, t2, t3 `runs` times with speculation (k=2) and compare with the exact target
     distribution: the smaller p-value of chi-square tests on the joint (t1, t2, t3) and on
-    (t2, t3) alone (t1 comes from prefill; the marginal has fewer cells, so more power)."""
+    (t2, t3) alone (t1 comes from prefill; the marginal has fewer cells, so more power).
+    adaptive: the cost model may verify fewer proposals, or none (a plain step)."""
     target, draft = small_vocab_pair()
     spec = spec_engine(target, 2, draft=draft if proposer == "draft" else None,
-                       ngram=2 if proposer == "ngram" else None, max_seq_length=32)
+                       ngram=2 if proposer == "ngram" else None, max_seq_length=32, adaptive=adaptive)
     counts = sampled_counts(spec, SAMPLE_PROMPT, s, runs)
     exact = exact_distribution(target, SAMPLE_PROMPT, s)
     return min(chi_square_p_value(counts, exact), chi_square_p_value(counts.sum(0), exact.sum(0)))
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
-def test_speculative_sampling_matches_the_target_distribution(proposer, sampling):
+def test_speculative_sampling_matches_the_target_distribution(proposer, sampling, adaptive):
     # fixed seeds, so the outcome is deterministic; under a correct sampler p is uniform on (0, 1)
-    p = distribution_p_value(proposer, SAMPLINGS[sampling], RUNS)
+    p = distribution_p_value(proposer, SAMPLINGS[sampling], RUNS, adaptive)
     assert p > 1e-3 / 2, p  # two tests per check (Bonferroni)
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
 def test_wrong_resampling_step_is_caught(proposer, monkeypatch):
     # resampling from p instead of norm(max(p - q, 0)) favours the proposals: the same check must fail
+    # (fixed k: every round verifies, as the distribution test's fixed-k runs do)
     monkeypatch.setattr(speculative, "residual_distribution", lambda p, q: p)
     p = distribution_p_value(proposer, SAMPLINGS["t=1"], RUNS)
     assert p < 1e-6, p

@@ -195,8 +195,9 @@ def test_grammar_completion_and_stop_tokens_end_the_output_as_in_engine(target):
         assert out == expected and stats.finish_reasons == plain_stats.finish_reasons
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_kv_rollback_with_forced_tokens(window):
+def test_kv_rollback_with_forced_tokens(window, adaptive):
     # forced runs make the unfed tokens and blocks longer than k (with window 6, longer than the
     # window): the rejected positions after them must leave every kept position as a plain run
     # leaves it, and the prefix cache with the plain run's blocks (float64: exact comparisons)
@@ -206,11 +207,11 @@ def test_kv_rollback_with_forced_tokens(window):
     prompt = PROMPTS[2]
     expected = plain_output(copy.deepcopy(target), prompt, 48, constraint=grammar)[0]
     for k in (2, 5):
-        spec = spec_engine(target, k, draft=noisy_copy(target, 0.05))
+        spec = spec_engine(target, k, draft=noisy_copy(target, 0.05), adaptive=adaptive)
         started = recorded_requests(spec.engine)
         (out,), stats = spec.generate([prompt], 48, Sampling(), constraints=[grammar.fresh()])
         assert out == expected
-        assert any(stats.histogram[1:k]), stats.histogram  # partial acceptances happened
+        assert any(stats.histogram[1:k]) or adaptive, stats.histogram  # partial acceptances happened
         (row,) = started
         with torch.inference_mode():
             assert_target_cache_is_a_plain_run(spec.engine, row, prompt, prompt + out)
@@ -245,7 +246,7 @@ def grammar_distribution_p_value(proposer, s, runs, grammar=ToyGrammar(V)):
     """As test_speculative's distribution_p_value, under the toy grammar (4 banned, 5 forces 6 7)."""
     target, draft = small_vocab_pair()
     spec = spec_engine(target, 2, draft=draft if proposer == "draft" else None,
-                       ngram=2 if proposer == "ngram" else None, max_seq_length=32)
+                       ngram=2 if proposer == "ngram" else None, max_seq_length=32, adaptive=False)
     counts = torch.zeros([V] * 3)
     torch.manual_seed(0)
     proposed = 0

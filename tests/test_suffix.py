@@ -149,15 +149,19 @@ def suffix_engine(model, k, max_seq_length=256, **options):
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_suffix_greedy_is_token_identical_on_a_random_model(k):
+def test_suffix_greedy_is_token_identical_on_a_random_model(k, adaptive):
     target = random_model(seed=0, device=TEST_DEVICE)
     expected = [plain_greedy(target, prompt, 24) for prompt in PROMPTS]
     spec = suffix_engine(target, k, 128, min_prob=0.0)  # propose wherever anything matches
+    spec.adaptive = adaptive  # (adaptive: the cost model verifies only what pays, maybe nothing here)
+    proposed = 0
     for prompt, want in [*zip(PROMPTS, expected)] * 2:  # the second time, earlier outputs are in the store
         (out,), stats = spec.generate([prompt], 24, Sampling())
         assert out == want
-    assert stats.proposed > 0
+        proposed += stats.proposed
+    assert proposed > 0 or adaptive
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -1,0 +1,234 @@
+"""How many proposals a speculative round verifies (speculative.py, --adaptive_k): the count that
+gives the most tokens per unit of time, from what a verify costs and how often proposals are
+accepted, or none (a plain decoding step) when no count beats plain decoding.
+
+    E[tokens(n)] = 1 + sum_{i=1..n} prod_{j<=i} a_j       (Leviathan et al. 2023, sec. 3.1, with
+                                                           a rate per position instead of one)
+    cost(n)      = f(n) + n * c                           in plain decoding steps
+    n*           = argmax_n E[tokens(n)] / cost(n), and 0 unless that beats 1 by MIN_GAIN
+
+- f(n) (`StepCosts`): a target forward over n + 1 tokens (a verify of n proposals) against a
+  plain one-token step: running means of the rounds' own times, a prior (optimistic, so that
+  verifies get tried and timed) where a size has not run. (Steps timed on the scratch block at
+  warm-up took 15-30x a real step's time here: no guide to the real ones.)
+- a_j (`Acceptance`): P(the j-th proposal is accepted | the ones before it were), decayed counts.
+  Proposals that were not verified still count: the tokens decoded after them say how many
+  would have been accepted (`Shadow`), so a proposer that starts being right again is noticed
+  without paying a verify.
+- c: one proposal's own cost (a draft model's step) in plain steps; n-gram and suffix lookups
+  cost nothing next to a forward. A costly proposer that is not worth its cost is asked again
+  only now and then (`Probe`: every 2, 4, 8 ... rounds while it keeps losing).
+- `ChainThreshold`: a draft model drafts until its chain's probability (the product of its
+  probabilities of the tokens it chose) falls below a threshold that drops when its recent
+  proposals were accepted and rises when they were not.
+"""
+from typing import Optional
+
+MIN_GAIN = 1.02  # the estimates are noisy: a count must beat plain decoding by this to be chosen
+PRIOR_PER_TOKEN = 0.05  # f(n) = 1 + 0.05 n until measured (a CPU verify of a few tokens reads the weights once)
+SMOOTH, FALL = 0.2, 0.5  # running means of times: the weight of a slower observation, of a faster one
+DECAY = 0.8  # acceptance counts: an observation's weight falls by this at each newer one (about 5 rounds)
+PRIOR_RATE, PRIOR_WEIGHT = 0.5, 1.0  # an acceptance rate before any observation, worth 1 observation
+
+
+def running_mean(old: Optional[float], new: float) -> float:
+    """A time's running mean: quick to fall, slow to rise (a slow step is mostly another process's
+    doing, or a first call's; one moves the mean by at most a fifth of its size)."""
+    if old is None:
+        return new
+    if new < old:
+        return old + FALL * (new - old)
+    return old + SMOOTH * (min(new, old * 2) - old)
+
+
+def expected_tokens(rates: list) -> list:
+    """E[tokens(n)] for n = 0 .. len(rates): the accepted proposals plus the target's own token."""
+    out, survive = [1.0], 1.0
+    for a in rates:
+        survive *= a
+        out.append(out[-1] + survive)
+    return out
+
+
+def best_count(rates: list, costs: list, per_proposal: float = 0.0, min_gain: float = MIN_GAIN) -> int:
+    """The n in 0 .. len(rates) with the most expected tokens per plain step of cost: rates[j - 1] is
+    a_j, costs[n] is f(n) (costs[0] = 1), per_proposal the proposer's cost of one proposal. 0 unless
+    some n beats plain decoding (1 token per step) by min_gain."""
+    best, best_gain = 0, min_gain
+    for n, tokens in enumerate(expected_tokens(rates)):
+        gain = tokens / (costs[n] + n * per_proposal)
+        if n and gain > best_gain:
+            best, best_gain = n, gain
+    return best
+
+
+class StepCosts:
+    """Seconds of a target forward with n = 0 .. k proposals (0: a plain step), as running means;
+    f(n) in plain steps, sizes not yet timed interpolated between the timed ones."""
+
+    def __init__(self, k: int):
+        self.seconds: list = [None] * (k + 1)
+
+    def observe(self, n: int, seconds: float):
+        old = self.seconds[n]
+        if old is None and n and self.seconds[0] is not None:  # from the prior: one slow first call condemns no size
+            old = self.seconds[0] * (1 + PRIOR_PER_TOKEN * n)
+        self.seconds[n] = running_mean(old, seconds)
+
+    def plain_seconds(self) -> Optional[float]:
+        """A plain step's time: timed, or (none taken yet) a timed verify's over its prior f(n)."""
+        if self.seconds[0] is not None:
+            return self.seconds[0]
+        return min((s / (1 + PRIOR_PER_TOKEN * n) for n, s in enumerate(self.seconds) if s is not None), default=None)
+
+    def ratios(self) -> list:
+        """f(0 .. k): at least 1, and f(n) at most f(m) for m > n (a shorter verify is never dearer:
+        a slow outlier is overruled by a longer verify's time, and so gets tried and timed again)."""
+        plain = self.plain_seconds()
+        if plain is None:
+            return [1 + PRIOR_PER_TOKEN * n for n in range(len(self.seconds))]
+        timed = [(0, 1.0)] + [(n, s / plain) for n, s in enumerate(self.seconds) if n and s is not None]
+        out = []
+        for n in range(len(self.seconds)):
+            below = max((x for x in timed if x[0] <= n), key=lambda x: x[0])
+            above = [x for x in timed if x[0] > n]
+            if below[0] == n:
+                f = below[1]
+            elif above:
+                (n0, f0), (n1, f1) = below, min(above, key=lambda x: x[0])
+                f = f0 + (f1 - f0) * (n - n0) / (n1 - n0)
+            else:
+                f = below[1] + PRIOR_PER_TOKEN * (n - below[0])
+            out.append(max(f, 1.0))
+        for n in range(len(out) - 2, 0, -1):
+            out[n] = min(out[n], out[n + 1])
+        return out
+
+
+class Acceptance:
+    """a_j = P(the j-th proposal is accepted | the ones before it were), j = 1 .. k, from decayed
+    counts, each position's shrunk toward the pooled rate where it has few observations."""
+
+    def __init__(self, k: int):
+        self.tried, self.kept = [0.0] * k, [0.0] * k
+
+    def record(self, proposed: int, accepted: int):
+        """A round of `proposed` proposals of which the first `accepted` were (or would have been) kept."""
+        for j in range(min(accepted + 1, proposed)):  # positions after the first rejection were not tried
+            self.tried[j] = self.tried[j] * DECAY + 1
+            self.kept[j] = self.kept[j] * DECAY + (j < accepted)
+
+    def rates(self) -> list:
+        pooled = (sum(self.kept) + PRIOR_RATE * PRIOR_WEIGHT) / (sum(self.tried) + PRIOR_WEIGHT)
+        return [(kept + pooled * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT) for kept, tried in zip(self.kept, self.tried)]
+
+
+class Shadow:
+    """Proposals that were not verified, checked against the tokens decoded after them."""
+
+    def __init__(self):
+        self.drafts, self.at = [], 0
+
+    def watch(self, drafts: list, at: int):
+        """drafts proposed for positions at, at + 1, ...; ignored while earlier ones are unresolved."""
+        if not self.drafts:
+            self.drafts, self.at = list(drafts), at
+
+    def check(self, known: list, acceptance: Acceptance):
+        """Record how many would have been accepted once the tokens decoded since say so."""
+        if not self.drafts:
+            return
+        seen = known[self.at:self.at + len(self.drafts)]
+        n = 0
+        while n < len(seen) and seen[n] == self.drafts[n]:
+            n += 1
+        if n < len(seen) or n == len(self.drafts):  # a mismatch, or all of them matched
+            acceptance.record(len(self.drafts), n)
+            self.drafts = []
+
+
+class Probe:
+    """How often a costly proposer that is not worth its cost is asked anyway: after 2 rounds,
+    then 4, 8 ... (up to 64) while its proposals keep losing; every round again once one wins."""
+
+    def __init__(self):
+        self.interval, self.waited = 2, 0
+
+    def due(self) -> bool:
+        self.waited += 1
+        return self.waited >= self.interval
+
+    def outcome(self, won: bool):
+        self.interval, self.waited = (2 if won else min(64, self.interval * 2)), 0
+
+
+class ChainThreshold:
+    """Threshold drafting: a draft stops once its chain's probability (the product of its
+    probabilities of the tokens it chose) is below `value`, which moves with the acceptance of its
+    recent proposals: LOWEST when they were all accepted (the draft is right more often than it
+    thinks: draft further), HIGHEST when none were (propose only what it is sure of)."""
+
+    LOWEST, HIGHEST = 0.05, 0.6
+
+    def __init__(self, rate: float = PRIOR_RATE):
+        self.rate = rate  # the running fraction of proposals accepted
+
+    @property
+    def value(self) -> float:
+        return self.HIGHEST - (self.HIGHEST - self.LOWEST) * self.rate
+
+    def update(self, proposed: int, accepted: int):
+        if proposed:
+            self.rate += SMOOTH * (accepted / proposed - self.rate)
+
+
+class RoundPlanner:
+    """Each round's proposal count for one SpeculativeEngine: `ask` before proposing (how many the
+    proposer may make), `choose` with proposals in hand (how many to verify), then `verified` or
+    `plain` with the target's time. cheap: the proposer costs nothing next to a target step."""
+
+    def __init__(self, k: int, cheap: bool, costs: StepCosts):
+        self.k, self.cheap, self.costs = k, cheap, costs
+        self.acceptance, self.shadow, self.probe = Acceptance(k), Shadow(), Probe()
+        self.proposal_seconds: Optional[float] = None  # a costly proposer's time per proposal, running mean
+
+    def per_proposal(self) -> float:
+        plain = self.costs.plain_seconds()
+        if self.cheap or plain is None or self.proposal_seconds is None:
+            return 0.0
+        return self.proposal_seconds / plain
+
+    def ask(self, known: list, limit: int) -> int:
+        """How many proposals to make this round (0: none, a plain step), at most limit."""
+        self.shadow.check(known, self.acceptance)
+        if self.cheap or limit <= 0:
+            return limit
+        n = best_count(self.acceptance.rates()[:limit], self.costs.ratios(), self.per_proposal())
+        if n == 0 and self.probe.due():
+            return min(2, limit)
+        return n
+
+    def choose(self, drafts: list, at: int) -> int:
+        """How many of the proposals in hand (for positions at, at + 1, ...) to verify; the rest are
+        watched (cheap proposers: the proposals cost nothing, only the verify counts)."""
+        if not self.cheap:
+            return len(drafts)
+        n = best_count(self.acceptance.rates()[:len(drafts)], self.costs.ratios())
+        if n == 0:
+            self.shadow.watch(drafts, at)
+        return n
+
+    def proposed(self, n: int, seconds: float):
+        """A costly proposer took `seconds` for n proposals."""
+        if n:
+            self.proposal_seconds = running_mean(self.proposal_seconds, seconds / n)
+
+    def verified(self, proposed: int, accepted: int, seconds: float):
+        self.costs.observe(proposed, seconds)
+        self.acceptance.record(proposed, accepted)
+        if not self.cheap:
+            self.probe.outcome(best_count(self.acceptance.rates()[:proposed], self.costs.ratios(),
+                                          self.per_proposal()) > 0)
+
+    def plain(self, seconds: float):
+        self.costs.observe(0, seconds)

@@ -1,0 +1,188 @@
+"""The speculation cost model (spec_cost.py): each round's proposal count from what a verify costs
+and how often proposals are accepted, none where plain decoding is faster; threshold drafting."""
+import pytest
+import torch
+
+import spec_cost
+from conftest import TEST_DEVICE, random_model
+from engine import Engine
+from proposers import DraftProposer
+from sampling import Sampling
+from spec_cost import Acceptance, ChainThreshold, Probe, Shadow, StepCosts, best_count, expected_tokens
+from speculative import SpeculativeEngine
+from test_speculative import PROMPTS, ScriptedProposer, noisy_copy, plain_greedy, sharpened
+
+
+# ---------------------------------------------------------------- decisions, plain Python
+
+def test_expected_tokens_counts_the_accepted_prefix_and_the_targets_token():
+    assert expected_tokens([]) == [1.0]
+    assert expected_tokens([0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75])
+    assert expected_tokens([1.0] * 3) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_best_count_maximizes_tokens_per_cost():
+    # E = 1, 1.8, 2.2, 2.24 over f = 1, 1.2, 1.4, 1.6: gains 1.5, 1.571, 1.4
+    assert best_count([0.8, 0.5, 0.1], [1.0, 1.2, 1.4, 1.6]) == 2
+    assert best_count([0.9] * 8, [1 + 0.05 * n for n in range(9)]) == 8  # a cheap verify, a good proposer: all
+    assert best_count([0.99] * 8, [1.0] * 9) == 8
+
+
+def test_best_count_is_zero_when_nothing_beats_a_plain_step():
+    assert best_count([0.1] * 8, [1 + 0.3 * n for n in range(9)]) == 0
+    assert best_count([0.0] * 4, [1.0] * 5) == 0  # even a free verify gains nothing when nothing is accepted
+    # 1.1 / 1.08 = 1.019: better than plain, but not by the margin
+    assert best_count([0.1], [1.0, 1.08]) == 0 and best_count([0.1], [1.0, 1.08], min_gain=1.0) == 1
+
+
+def test_best_count_charges_the_proposers_own_cost():
+    rates, costs = [0.7] * 4, [1 + 0.1 * n for n in range(5)]
+    assert best_count(rates, costs) == 4
+    assert best_count(rates, costs, per_proposal=0.2) == 2  # gains 1.308, 1.358, 1.349, 1.303
+    assert best_count(rates, costs, per_proposal=1.0) == 0  # a draft as costly as the target never pays
+
+
+def test_step_costs_interpolate_extrapolate_and_cap_a_shorter_verify_by_a_longer():
+    costs = StepCosts(8)
+    assert costs.ratios() == pytest.approx([1 + spec_cost.PRIOR_PER_TOKEN * n for n in range(9)])  # nothing timed
+    costs.seconds[:] = [0.010, 0.012, None, None, 0.018, None, None, None, None]
+    f = costs.ratios()
+    assert f[:5] == pytest.approx([1.0, 1.2, 1.4, 1.6, 1.8])
+    assert f[8] == pytest.approx(1.8 + 4 * spec_cost.PRIOR_PER_TOKEN)
+    costs.seconds[1] = 0.030  # a slow outlier: a longer verify's time overrules it
+    assert costs.ratios()[1] == pytest.approx(1.8)
+    costs.seconds[2] = 0.009  # a verify faster than a plain step (noise) counts as one plain step
+    assert costs.ratios()[:3] == pytest.approx([1.0, 1.0, 1.0])
+    first = StepCosts(4)
+    first.observe(0, 0.010)
+    first.observe(2, 1.0)  # a first verify 100x slower (a first call's setup): it moves the prior by a fifth
+    assert first.ratios()[2] == pytest.approx(1.1 * 1.2)
+    only_verify = StepCosts(4)
+    only_verify.observe(2, 0.011)  # no plain step timed: its time is estimated from the verify's
+    assert only_verify.plain_seconds() == pytest.approx(0.011 / (1 + 2 * spec_cost.PRIOR_PER_TOKEN))
+
+
+def test_running_mean_falls_fast_and_rises_slowly():
+    assert spec_cost.running_mean(None, 5.0) == 5.0
+    assert spec_cost.running_mean(10.0, 2.0) == pytest.approx(6.0)
+    assert spec_cost.running_mean(10.0, 1000.0) == pytest.approx(12.0)  # one slow step: at most a fifth
+
+
+def test_acceptance_learns_per_position_rates():
+    acceptance = Acceptance(4)
+    assert acceptance.rates() == pytest.approx([spec_cost.PRIOR_RATE] * 4)
+    for _ in range(30):
+        acceptance.record(4, 1)  # the first always kept, the second never
+    rates = acceptance.rates()
+    assert rates[0] > 0.9 and rates[1] < 0.1
+    assert rates[2] == pytest.approx(rates[3])  # never tried: the pooled rate
+    for _ in range(30):
+        acceptance.record(4, 0)
+    assert acceptance.rates()[0] < 0.1  # recent rounds count most
+
+
+def test_shadow_records_what_would_have_been_accepted():
+    acceptance, shadow = Acceptance(4), Shadow()
+    shadow.watch([7, 8, 9], at=10)
+    shadow.watch([1, 1, 1], at=11)  # ignored while the first is unresolved
+    known = list(range(10)) + [7, 8]
+    shadow.check(known, acceptance)
+    assert shadow.drafts and sum(acceptance.tried) == 0  # 2 matched so far: not resolved yet
+    shadow.check(known + [5], acceptance)
+    assert not shadow.drafts and acceptance.tried[:3] == [1, 1, 1] and acceptance.kept[:3] == [1, 1, 0]
+
+
+def test_probe_backs_off_while_losing():
+    probe = Probe()
+    due = [probe.due() for _ in range(2)]
+    assert due == [False, True]
+    probe.outcome(won=False)
+    assert [probe.due() for _ in range(4)] == [False, False, False, True]
+    probe.outcome(won=True)
+    assert [probe.due() for _ in range(2)] == [False, True]
+
+
+def test_chain_threshold_falls_with_acceptance():
+    threshold = ChainThreshold()
+    start = threshold.value
+    for _ in range(20):
+        threshold.update(4, 4)
+    assert threshold.value < start and threshold.value == pytest.approx(ChainThreshold.LOWEST, abs=0.02)
+    for _ in range(20):
+        threshold.update(4, 0)
+    assert threshold.value == pytest.approx(ChainThreshold.HIGHEST, abs=0.02)
+    assert ChainThreshold(rate=1.0).value == pytest.approx(ChainThreshold.LOWEST)
+    assert ChainThreshold(rate=0.0).value == pytest.approx(ChainThreshold.HIGHEST)
+
+
+# ---------------------------------------------------------------- in the engine
+
+@pytest.mark.parametrize("rate, sharp, expected", [(0.0, 1.0, 1), (1.0, 20.0, 8)])
+@torch.inference_mode()
+def test_threshold_drafting_stops_where_the_chain_is_unlikely(rate, sharp, expected):
+    # a random model spreads its probability (a chain of two is below the highest threshold); sharpened it is sure
+    draft = DraftProposer(sharpened(random_model(seed=0, device=TEST_DEVICE), sharp))
+    draft.setup(128)
+    draft.adapt(True)
+    draft.threshold.rate = rate
+    draft.start(PROMPTS[1], Sampling())
+    drafts, _ = draft.propose(PROMPTS[1], 8, Sampling())
+    assert len(drafts) == expected
+    draft.adapt(False)  # fixed k: always k
+    draft.accepted(0)
+    assert len(draft.propose(PROMPTS[1], 8, Sampling())[0]) == 8
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """Verify costs that do not depend on this machine's timings: f(n) = 1 + 0.1 n."""
+    monkeypatch.setattr(StepCosts, "observe", lambda self, n, seconds: None)
+
+    def costs(k):
+        c = StepCosts(k)
+        c.seconds[:] = [1 + 0.1 * n for n in range(k + 1)]
+        return c
+    return costs
+
+
+class WrongThenRight(ScriptedProposer):
+    """Proposes wrong tokens for the first `wrong` positions of the output, the target's after."""
+
+    def __init__(self, full, vocab, wrong_until):
+        super().__init__(full, vocab)
+        self.wrong_until = wrong_until
+
+    def propose(self, context, k, s):
+        truth = self.full[len(context):len(context) + k]
+        return [(t + 1) % self.vocab if len(context) < self.wrong_until else t for t in truth], None
+
+
+def test_plain_steps_while_proposals_lose_and_verifies_once_they_win(fixed_costs):
+    target = random_model(seed=0, device=TEST_DEVICE)
+    prompt = PROMPTS[1]
+    expected = plain_greedy(target, prompt, 100)
+    proposer = WrongThenRight(prompt + expected, 256, wrong_until=len(prompt) + 30)
+    spec = SpeculativeEngine(Engine(target, 1, 128), proposer, 8)
+    spec.costs = fixed_costs(8)
+    (out,), stats = spec.generate([prompt], 100, Sampling())
+    assert out == expected
+    # the first 30 tokens: a verify or two learns the proposals lose, then plain steps (their
+    # proposals checked in the shadow); after: the shadow sees them win, and blocks of 8 are verified
+    wasted = stats.histogram[0]
+    assert 1 <= wasted <= 4 and 25 <= stats.plain_steps <= 35, stats
+    assert stats.histogram[8] >= 4, stats.histogram
+
+
+def test_threshold_drafting_through_the_engine_is_token_identical(fixed_costs, monkeypatch):
+    # every round drafts (the planner asks for k), the draft stopping where it grows unsure
+    target = random_model(seed=0, device=TEST_DEVICE)
+    draft = sharpened(noisy_copy(target, 0.05), 4.0)
+    monkeypatch.setattr(spec_cost.RoundPlanner, "ask", lambda self, known, limit: limit)
+    for prompt in PROMPTS:
+        expected = plain_greedy(target, prompt, 40)
+        spec = SpeculativeEngine(Engine(target, 1, 128), DraftProposer(draft), 6)
+        spec.costs = fixed_costs(6)
+        (out,), stats = spec.generate([prompt], 40, Sampling())
+        assert out == expected, prompt
+        verifies = sum(stats.histogram)
+        assert stats.plain_steps <= 1 and 1 < stats.proposed / verifies < 6, stats  # (the last token: a plain step)
