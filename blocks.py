@@ -94,7 +94,7 @@ class BlockManager:
                 self.forget(b)
             self.refs[b] = 1
             out.append(b)
-        return out
+        return sorted(out)  # in address order: a prompt's keys are read as one run (kvcache.KVCache)
 
     def release(self, blocks: list):
         """One holder fewer for each of blocks: a block nobody holds stays cached if it is full

@@ -61,18 +61,22 @@ class ForwardBatch:
 
 
 class KVCache(nn.Module):
-    """One layer's keys and values: num_slots slots in blocks of block_size, held as (blocks,
-    n_kv_heads, block_size, head_dim) so that a head's keys in a block lie side by side; slot s is
-    row s % block_size of block s // block_size. Written and read through a ForwardBatch's slots."""
+    """One layer's keys and values: num_slots slots in blocks of block_size, indexed as (blocks,
+    n_kv_heads, block_size, head_dim) and stored head by head, so that a head's keys in a block, and
+    in consecutive blocks, lie side by side; slot s is row s % block_size of block s // block_size.
+    Written and read through a ForwardBatch's slots."""
 
     def __init__(self, num_slots: int, n_kv_heads: int, head_dim: int, dtype, device=None, zeros=torch.zeros,
                  block_size: Optional[int] = None):
         super().__init__()
         block_size = block_size or num_slots
         assert num_slots % block_size == 0, f"{num_slots} slots are not whole blocks of {block_size}"
-        shape = (num_slots // block_size, n_kv_heads, block_size, head_dim)
-        self.register_buffer("k_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
+        # stored head by head: a head's keys in consecutive blocks lie side by side (blocks.allocate
+        # hands a prompt's blocks out in address order), so a row's keys read as a few long runs
+        shape = (n_kv_heads, num_slots // block_size, block_size, head_dim)
+        for name in ("k_cache", "v_cache"):
+            pool = zeros(shape, dtype=dtype, device=device).permute(1, 0, 2, 3)  # (blocks, n_kv_heads, block_size, head_dim)
+            self.register_buffer(name, pool, persistent=False)
 
     def at(self, slots: Tensor) -> tuple:
         """The index of slots (any shape) into a pool."""
