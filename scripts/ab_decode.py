@@ -22,12 +22,19 @@ from pathlib import Path
 from scripts.bench import LONG_PROMPT, QUANTIZED, REPO_ROOT, SHORT_PROMPT, quantized_checkpoint, run_process
 
 
+def knows(tree: Path, flag: str) -> bool:
+    """Whether the checkout's generate.py takes flag."""
+    return any(flag in f.read_text() for f in (tree / "generate.py", tree / "generate_args.py") if f.exists())
+
+
 def one_run(tree: Path, checkpoint: Path, weights: str, prompt: str, args, out: Path) -> dict:
     """Median decode tok/s and TTFT (ms) of one generate.py process of `tree`."""
     dtype = "float32" if weights in QUANTIZED else weights
     cmd = [sys.executable, str(tree / "generate.py"), "--checkpoint", str(checkpoint), "--prompt", prompt,
-           "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0", "--dtype", dtype, "--compile", "--wait_for_compile",
+           "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0", "--dtype", dtype, "--compile",
            "--ignore_eos", "--num_samples", str(args.samples), "--metrics_json", str(out)]
+    if knows(tree, "--wait_for_compile"):  # an older checkout has no aside compile: it compiles first anyway
+        cmd.append("--wait_for_compile")
     metrics, err, _ = run_process(cmd, out, out.with_suffix(".log"), 1200)
     if err:
         sys.exit(f"error: {tree}/generate.py failed on {weights}: {err}")
