@@ -94,7 +94,7 @@ def add_parallel_args(p):
     p.add_argument("--pp", type=int, default=1, metavar="N",
                    help="under torchrun: split the layers into N pipeline stages, each on its own ranks "
                         "(world = tp x pp: torchrun's ranks divided by N form each stage's tensor-parallel "
-                        "group); the last stage's logits reach every rank (pipeline.py)")
+                        "group); the last stage's sampled tokens reach every rank (pipeline.py)")
     p.add_argument("--microbatches", type=int, default=1, metavar="M",
                    help="with --pp: a step's rows go through the stages in up to M parts, so that the stages run "
                         "at once; only a step of 256 tokens a part or more (a batch of prompts) is split "

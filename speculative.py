@@ -423,14 +423,7 @@ class SpeculativeEngine:
         self.planner.verified(proposed, n, time.perf_counter() - start)
         stats.histogram[n] += 1
         stats.proposed += proposed
-        new = drafts[:n] + [next_token]
-        for i, token in enumerate(new):  # stop inside an accepted block: what follows was never generated
-            if token in stop:
-                new = new[:i + 1]
-                break
-        new = new[:budget]
-        self.proposer.accepted(len(new) - 1)
-        return new
+        return self.kept(drafts[:n] + [next_token], stop, budget)
 
     def speculative_tree_decode(self, row: Request, budget: int, stop: set, stats: "SpecStats") -> list:
         """One round over a tree of candidates (tree.py): the proposer's tree, at most tree_nodes
@@ -459,8 +452,12 @@ class SpeculativeEngine:
                                  for sliding, table in ((False, tables[0]), (True, tables[1] or tables[0]))})
         stats.histogram[len(path)] += 1
         stats.proposed += len(candidates) - 1
-        new = [candidates.tokens[node] for node in path] + [next_token]
-        for i, token in enumerate(new):  # stop inside an accepted path: what follows was never generated
+        return self.kept([candidates.tokens[node] for node in path] + [next_token], stop, budget)
+
+    def kept(self, new: list, stop: set, budget: int) -> list:
+        """A round's accepted tokens and the target's own, cut after a stop token (what follows was
+        never generated) and to budget; the proposer learns how many of its own were kept."""
+        for i, token in enumerate(new):
             if token in stop:
                 new = new[:i + 1]
                 break
