@@ -350,7 +350,8 @@ class Engine:
         return out.clone() if self.lookahead else out  # a CUDA graph's next replay overwrites its output
 
     def run_chunk(self, tokens: list, start: int, tables: tuple, every: bool = False, tree=None) -> Tensor:
-        """tree: a tree.Tree over tokens (speculative.py), each at its depth, fed with every=True."""
+        """tree: a tree.Tree over tokens (speculative.py), or lookahead.Branches, fed with every=True:
+        token t at position start + tree.offsets[t], seeing the chunk tokens tree.visible()[t] names."""
         T, device = len(tokens), self.device
         # a few tokens after cached ones (a verify, what a grammar forced): one graph for any count,
         # every token's logits; a prompt: eager (or compiled with compile_prefill), the last one's
@@ -363,8 +364,8 @@ class Engine:
         last = None if every or short else torch.tensor([[T - 1]], device=device)
         positions = torch.arange(start, start + len(fed), device=device).view(1, -1)
         if tree is not None:  # at least two nodes: no padding
-            positions = torch.tensor([[start + d for d in tree.depths]], device=device)
-            views["tree_mask"] = tree.ancestor_mask(device).unsqueeze(0)
+            positions = torch.tensor([[start + d for d in tree.offsets]], device=device)
+            views["tree_mask"] = tree.visible(device).unsqueeze(0)
         logits = (self.short_chunk if short else self.long_chunk)(
             self.model, torch.tensor([fed], device=device), positions,
             self.block_size, start + len(fed), start == 0, last, **views)[0]
@@ -427,7 +428,8 @@ class Engine:
         """tokens through the model after request's fed ones, as a step of one chunk: their keys and
         values go to its blocks (taken as needed), and the logits of the last token (V,), or of
         every token (T, V), come back. request.fed does not move: the caller keeps what it accepts.
-        tree: a tree.Tree whose nodes are tokens (with every=True), each seeing its ancestors only."""
+        tree: a tree.Tree whose nodes are tokens (with every=True), each seeing its ancestors only, or
+        lookahead.Branches, each token at its own position seeing what its mask names (run_chunk)."""
         if not self.scheduler.make_room(request, request.fed + len(tokens), StepPlan()):
             raise UserError("the KV cache cannot hold this sequence")
         plan = StepPlan(chunks=[(tokens, request.fed, request.tables(), every, tree)], chunk_requests=[request])

@@ -5,6 +5,7 @@
     python generate.py --checkpoint checkpoints/smollm2-135m --interactive
     python generate.py --checkpoint checkpoints/smollm2-135m --ngram 3 --chat --prompt "..."
     python generate.py --checkpoint checkpoints/smollm2-135m --suffix --chat --prompt "..."
+    python generate.py --checkpoint checkpoints/smollm2-135m --lookahead 4,3,3 --chat --prompt "..."
     python generate.py --checkpoint checkpoints/smollm2-135m --chat --prompt "A person as JSON" --json_schema person.json
     python generate.py --shape llama-2-7b --quantize int4-g32 --device cuda --max_new_tokens 256 --ignore_eos
     torchrun --nproc_per_node=2 generate.py --checkpoint checkpoints/smollm2-135m --prompt "..."
@@ -29,6 +30,7 @@ if __name__ == "__main__":
 import torch
 
 import checkpoint
+import lookahead
 import shapes
 import proposers
 import speculative
@@ -218,10 +220,10 @@ def cache_length(args, config: ModelArgs, prompts) -> int:
         return min(4096, context)
     else:
         longest = max(len(p) for p in prompts)
-        spare = args.speculate_k if generate_args.proposer_flags(args) else 0
+        spare, flag = generate_args.verify_slots(args)
         need = longest + args.max_new_tokens + spare
         asked = f"the prompt ({longest} tokens) + --max_new_tokens ({args.max_new_tokens})" + \
-            (f" + --speculate_k ({spare})" if spare else "")
+            (f" + {flag} ({spare})" if spare else "")
         length = max(min(-(-need // 256) * 256, context), need)
     if need > context:
         where = f"the model's trained context of {context} tokens (max_position_embeddings in config.json" + \
@@ -347,6 +349,8 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
         proposer = proposers.NgramProposer(args.ngram)
     elif args.suffix:
         proposer = proposers.SuffixProposer()
+    elif args.lookahead is not None:
+        proposer = lookahead.LookaheadProposer(*generate_args.lookahead_sizes(args.lookahead))
     elif args.draft_checkpoint:  # under torchrun every rank holds the whole (small) draft
         draft = load(tp, args.draft_checkpoint, device, draft_dtype, shard=False)
         log(f"loaded draft {args.draft_checkpoint} "
@@ -354,7 +358,8 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
         proposer = proposers.DraftProposer(draft, compile=args.compile, compile_mode=args.compile_mode)
     else:
         return engine
-    return speculative.SpeculativeEngine(engine, proposer, args.speculate_k, compile=args.compile,
+    k = proposer.N - 1 if args.lookahead is not None else args.speculate_k  # (lookahead: its longest path)
+    return speculative.SpeculativeEngine(engine, proposer, k, compile=args.compile,
                                          compile_mode=args.compile_mode, adaptive=args.adaptive_k,
                                          tree_nodes=args.speculate_tree)
 

@@ -115,6 +115,13 @@ def add_speculation_args(p):
                    help="speculative decoding by suffix matching (SuffixDecoding; suffix.py): propose the most "
                         "frequent continuation of the longest suffix seen earlier in the prompt and output, and in "
                         "earlier samples' and chat turns' prompts and outputs; nothing where none is likely enough")
+    p.add_argument("--lookahead", nargs="?", const=LOOKAHEAD_DEFAULT, default=None, metavar="W,N,G",
+                   help="speculative decoding without a proposer: lookahead decoding (lookahead.py; Fu et al. "
+                        "2024). Each target forward also runs a Jacobi iteration over a window of W guesses on "
+                        "N - 1 levels, which fills a pool of N-grams (with the prompt's and output's own), and "
+                        "verifies up to G of them that start with the last token: 1 + (N - 1)(W + G) tokens a "
+                        f"forward (default: {LOOKAHEAD_DEFAULT}, 15 tokens; the authors suggest 7,5,7 for a 7B model "
+                        "on a GPU); --speculate_k and --adaptive_k do not apply")
     p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per round, at most (default: 5)")
     p.add_argument("--adaptive_k", action=argparse.BooleanOptionalAction, default=True,
                    help="each round verify the number of proposals (up to --speculate_k, or none: a plain "
@@ -133,7 +140,30 @@ def add_speculation_args(p):
 def proposer_flags(args) -> list:
     """The speculative-decoding proposers asked for (one at most is allowed)."""
     return [flag for flag, on in (("--draft_checkpoint", args.draft_checkpoint), ("--ngram", args.ngram is not None),
-                                  ("--suffix", args.suffix)) if on]
+                                  ("--suffix", args.suffix), ("--lookahead", args.lookahead is not None)) if on]
+
+
+LOOKAHEAD_DEFAULT = "4,3,3"  # 15 tokens a forward: the compiled graph of a few queries after cached keys (<= 16)
+
+
+def lookahead_sizes(text: str) -> tuple:
+    """--lookahead's window W, n-gram size N and candidates G, each in its range."""
+    try:
+        W, N, G = (int(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--lookahead takes W,N,G, three integers (window, n-gram size, candidates), "
+                        f"not {text!r}") from None
+    if not (1 <= W <= 64 and 2 <= N <= 16 and 1 <= G <= 64):
+        raise UserError(f"--lookahead {text}: W,N,G must satisfy 1 <= W <= 64, 2 <= N <= 16 and 1 <= G <= 64")
+    return W, N, G
+
+
+def verify_slots(args) -> tuple:
+    """The cache slots past the last token that a round of speculation writes, and the flag that sets them."""
+    if args.lookahead is not None:
+        W, N, G = lookahead_sizes(args.lookahead)
+        return (N - 1) * (W + G), "--lookahead"
+    return (args.speculate_k, "--speculate_k") if proposer_flags(args) else (0, None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,7 +216,9 @@ def check_args(args):
         raise UserError("give either several --prompt or --batch_size, not both")
     if len(proposer_flags(args)) > 1:
         given = " and ".join(proposer_flags(args))
-        raise UserError(f"give one of --draft_checkpoint, --ngram and --suffix, not {given}")
+        raise UserError(f"give one of --draft_checkpoint, --ngram, --suffix and --lookahead, not {given}")
+    if args.lookahead is not None:
+        lookahead_sizes(args.lookahead)
     if args.ngram is not None and args.ngram < 1:
         raise UserError("--ngram must be at least 1")
     if args.pp < 1:

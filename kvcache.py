@@ -30,10 +30,12 @@ class ForwardBatch:
     # their slots and block tables, whose blocks out of the window are gone (the scratch block)
     window_slots: Optional[Tensor] = None
     window_table: Optional[Tensor] = None
-    # a tree of candidates (tree.py): token t's key and value go to the slot of position
-    # positions[b, 0] + t (consecutive after the sequence), while its position is the sequence's
-    # length plus its depth; query t sees the cached keys and the chunk tokens tree_mask[b, t] names
-    tree_mask: Optional[Tensor] = None  # (B, T, T) bool: its ancestors and itself
+    # a tree of candidates (tree.py), or any chunk whose tokens see only some of the others (lookahead
+    # decoding's branches, lookahead.py): token t's key and value go to the slot of position
+    # positions[b, 0] + t (consecutive after the sequence), while its position is its own (a tree
+    # node's: the sequence's length plus its depth); query t sees the cached keys and the chunk
+    # tokens tree_mask[b, t] names
+    tree_mask: Optional[Tensor] = None  # (B, T, T) bool: a node's ancestors and itself; any mask
 
     def context(self, block_table: Optional[Tensor] = None) -> Tensor:
         """(B, kv_len) the slot of each row's positions 0..kv_len-1 (in the window pools' blocks)."""

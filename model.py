@@ -440,16 +440,17 @@ class Transformer(nn.Module):
         """Additive (B, 1, T, kv_len) masks over keys at positions 0..kv_len-1, 0 where a query at
         positions (B, T) may attend and -inf elsewhere: (global, sliding window). Additive masks run
         faster than boolean ones in CPU SDPA. sdpa_causal: the global mask is None (SDPA's own).
-        tree_mask (B, T, T): the chunk is a tree in the slots from positions[:, 0] on (ForwardBatch)."""
+        tree_mask (B, T, T): the chunk lies in the slots from positions[:, 0] on, each token seeing
+        the cached keys and the chunk tokens its row names (ForwardBatch), at their own positions."""
         query_pos = positions.unsqueeze(-1)  # (B, T, 1)
         key_pos = torch.arange(kv_len, device=positions.device).view(1, 1, -1)  # (1, 1, S)
         causal = key_pos <= query_pos
-        if tree_mask is not None:  # the cached keys, then the query's ancestors among the chunk's slots
+        if tree_mask is not None:  # the cached keys, then the chunk tokens the query sees (a tree: its ancestors)
             T = tree_mask.shape[-1]
             chunk_index = key_pos - positions[:, :1, None]  # (B, 1, S): the chunk token in each slot
             in_chunk, node = (chunk_index >= 0) & (chunk_index < T), chunk_index.clamp(0, T - 1)
             causal = (chunk_index < 0) | (in_chunk & tree_mask.gather(2, node.expand(-1, T, -1)))  # (B, T, S)
-            # a chunk key's position, for the window, is its node's (the sequence's length + depth)
+            # a chunk key's position, for the window, is its token's (a tree node's: the sequence's length + depth)
             key_pos = torch.where(in_chunk, positions.unsqueeze(1).gather(2, node), key_pos)
         window = self.args.sliding_window
 

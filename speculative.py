@@ -6,7 +6,8 @@ in one forward pass over k + 1 positions, and the output is exactly what the tar
     python generate.py --checkpoint checkpoints/smollm2-135m --ngram 3 --speculate_k 8 --chat \\
         --prompt "Fix the typo in this sentence: ..."
 
-Proposers (proposers.py): a draft model, prompt lookup (n-grams), or suffix matching (suffix.py).
+Proposers (proposers.py): a draft model, prompt lookup (n-grams), or suffix matching (suffix.py);
+lookahead decoding (lookahead.py) proposes from a pool that its own rounds fill, in the verify's forward.
 
 Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. d_k]:
 - greedy: accept the longest prefix of proposals equal to the target's argmax, then the
@@ -65,6 +66,7 @@ import warmup
 from engine import ONE_SEQUENCE, Engine, Stats, decode_metrics
 from errors import UserError
 from grammar import apply_mask, unpack_mask_on_host
+from lookahead import LookaheadProposer, lookahead_decode
 from model import param_bytes
 from proposers import Proposer, common_prefix
 from rope import recompute_position
@@ -261,6 +263,8 @@ class SpeculativeEngine:
         plans, host = warmup.chunk_plans(self.engine, self.k + 1), host or constrained  # the verify's shapes
         if self.tree_nodes:  # the verify with a tree's mask is a graph of its own
             plans += tree_plans(self.engine, self.tree_nodes)
+        if isinstance(self.proposer, LookaheadProposer):  # its rounds' forward: a mask too, one size
+            plans += tree_plans(self.engine, self.proposer.size - 1)
         if not host:  # and the plain step's, which rounds without proposals take
             plans += warmup.generate_plans(self.engine, prompts, sampling)
         draft = self.proposer.warm_up(sampling, host)  # its step, taken up at the next proposal
@@ -396,6 +400,8 @@ class SpeculativeEngine:
     def speculative_decode(self, row: Request, budget: int, stop: set, stats: "SpecStats") -> list:
         """One round: propose, verify in one target forward, accept. Returns the new tokens
         (accepted proposals + the target's own token), cut after a stop token and to `budget`."""
+        if isinstance(self.proposer, LookaheadProposer):
+            return lookahead_decode(self, row, budget, stop, stats)
         if self.tree_nodes:
             return self.speculative_tree_decode(row, budget, stop, stats)
         device, sampling, context = self.device, row.sampling, row.known()
@@ -443,16 +449,20 @@ class SpeculativeEngine:
             path, next_token = greedy_path(candidates, target.tolist())
         else:
             path, next_token = sampled_path(candidates, target)
+        self.compact_path(row, path)
+        stats.histogram[len(path)] += 1
+        stats.proposed += len(candidates) - 1
+        return self.kept([candidates.tokens[node] for node in path] + [next_token], stop, budget)
+
+    def compact_path(self, row: Request, path: list):
+        """The accepted nodes' keys and values to positions row.fed + 1.. (node i was fed at row.fed + i)."""
         start, moved = row.fed, [(i, node) for i, node in enumerate(path, 1) if node != i]
-        if moved:  # the accepted nodes' keys to positions start + 1.. (node i was fed at start + i)
-            bs, tables = engine.block_size, row.tables()
+        if moved:
+            bs, tables = self.engine.block_size, row.tables()
             sources = [start + node for _, node in moved]
             targets = [start + i for i, _ in moved]
             compact(self.model, {sliding: (path_slots(table, bs, sources), path_slots(table, bs, targets))
                                  for sliding, table in ((False, tables[0]), (True, tables[1] or tables[0]))})
-        stats.histogram[len(path)] += 1
-        stats.proposed += len(candidates) - 1
-        return self.kept([candidates.tokens[node] for node in path] + [next_token], stop, budget)
 
     def kept(self, new: list, stop: set, budget: int) -> list:
         """A round's accepted tokens and the target's own, cut after a stop token (what follows was

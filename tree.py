@@ -63,6 +63,15 @@ class Tree:
             out[self.parents[i]].append(i)
         return out
 
+    @property
+    def offsets(self) -> list:
+        """Each node's position past the root's, as a forward feeds it (Engine.feed): its depth."""
+        return self.depths
+
+    def visible(self, device: Optional[torch.device] = None) -> Tensor:
+        """Which of the chunk's tokens each node sees (ForwardBatch.tree_mask): its path."""
+        return self.ancestor_mask(device)
+
     def ancestor_mask(self, device: Optional[torch.device] = None) -> Tensor:
         """(N, N) bool: [i, j] where node j is node i or one of its ancestors."""
         n = len(self.parents)
