@@ -21,7 +21,8 @@ tree, not a chain, and the draft is itself sped up by a cheaper proposer.
   accepted nearly always (a point mass would be accepted with the target's probability only).
 - The draft's cache holds its main chain; the target may keep a path that leaves it at a sibling,
   so each round first forgets what the draft fed past the context's common prefix, then feeds what
-  it has not seen (the accepted path, the target's token) as one chunk (DraftProposer.catch_up).
+  it has not seen (the accepted path, the target's token) in the round's first forward, before
+  the root and its guesses.
 """
 from typing import Callable, Optional
 
@@ -151,17 +152,18 @@ class StagedProposer(DraftProposer):
         stops it) and siblings where it is unsure, at most `nodes` candidates."""
         self.take_up(context)
         del self.fed[min(common_prefix(self.fed, context), len(context) - 1):]  # a sibling's path was kept
-        self.catch_up(context)
+        behind = context[len(self.fed):-1]  # what the draft has not seen: fed with its first forward
         if self.lookup is not None:
             self.lookup.matches(context)  # index the context's n-grams
         depth = min(depth, nodes)  # (the chain's slots must fit the cache as the tree's do)
-        self.first_draft_slot = len(self.fed) + 1
+        self.first_draft_slot = len(context)  # the root's position is len(context) - 1
         tree = Tree([context[-1]], [-1])
         qs, chain, node, prob = {}, [], 0, 1.0
         while len(chain) < depth and not (chain and self.unsure(prob)):
-            fed = [tree.tokens[node]] + self.guesses(context + chain, depth - len(chain) - 1)
-            picked, q = self.picks(self.logits(fed), fed[1:])
-            self.fed.extend(fed[:len(picked)])  # the tokens whose picks were kept
+            fed = behind + [tree.tokens[node]] + self.guesses(context + chain, depth - len(chain) - 1)
+            picked, q = self.picks(self.logits(fed)[len(behind):], fed[len(behind) + 1:])
+            self.fed.extend(fed[:len(behind) + len(picked)])  # the tokens whose picks were kept
+            behind = []
             for i, (token, p, sibling) in enumerate(picked):
                 if chain and self.unsure(prob):
                     break

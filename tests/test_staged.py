@@ -5,6 +5,7 @@ prompt; multi-draft rejection sampling exact (chi-square, and a wrong q caught),
 sampled tokens the target's distribution, a draft equal to the target accepted whole; compiled
 rounds without a recompile; host rounds (penalties) over chains; the command line."""
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -101,10 +102,13 @@ def contexts_of_its_own_output(draft, prompt, n) -> list:
 @pytest.mark.parametrize("vocab", [256, V])
 def test_lookup_drafts_the_chain_the_draft_drafts_alone(vocab):
     """Greedy, no siblings: the staged draft's tree is the plain draft's chain of 6, with the
-    second stage or without; with it, fewer draft forwards (the draft agrees with its n-grams)."""
+    second stage or without; with it, fewer draft forwards (the draft agrees with its n-grams).
+    (float64: a chunk's logits and a step's round alike, no near-tie flips a pick)"""
     draft = random_model(seed=5, vocab_size=vocab, std=0.4)
+    contexts = [c for prompt in PROMPTS for c in contexts_of_its_own_output(draft, prompt, 24)]
+    draft.double()
     counts = {True: 0, False: 0}
-    for context in [c for prompt in PROMPTS for c in contexts_of_its_own_output(draft, prompt, 24)]:
+    for context in contexts:
         plain = DraftProposer(draft)
         plain.setup(64)
         plain.start(context, Sampling())
@@ -118,6 +122,31 @@ def test_lookup_drafts_the_chain_the_draft_drafts_alone(vocab):
             assert tree.tokens == [context[-1]] + chain and tree.parents == list(range(-1, 6))
             counts[lookup] += staged.forwards - before
     assert counts[True] < counts[False], counts
+
+
+def test_the_drafts_cache_follows_the_path_the_target_keeps():
+    """Whatever path of a tree the target keeps (through a sibling, or none of it), the next
+    round's tree is the one a draft started afresh on the new context drafts."""
+    draft = random_model(seed=3).double()
+    rng = torch.Generator().manual_seed(0)
+    staged = StagedProposer(draft, branch_below=ALWAYS)
+    staged.setup(96)
+    context = list(PROMPTS[1])
+    staged.start(context, Sampling())
+    kept_siblings = 0
+    for _ in range(12):
+        tree = staged.propose_tree(context, 8, 4)
+        node = int(torch.randint(len(tree), (), generator=rng))
+        path = [n for n in range(len(tree)) if tree.ancestor_mask()[node, n] and n]
+        kept_siblings += through_a_sibling(tree, path)
+        context = context + [tree.tokens[n] for n in path] + [int(torch.randint(256, (), generator=rng))]
+        staged.accepted(len(path))
+        fresh = StagedProposer(copy.deepcopy(draft), branch_below=ALWAYS)
+        fresh.setup(96)
+        fresh.start(context, Sampling())
+        assert staged.propose_tree(context, 8, 4) == fresh.propose_tree(context, 8, 4)
+        staged.accepted(0)  # (the tree compared is not verified: the next one starts from the same context)
+    assert kept_siblings > 0
 
 
 def test_host_rounds_keep_the_chain():
