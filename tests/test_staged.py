@@ -221,12 +221,13 @@ def test_a_draft_equal_to_the_target_is_accepted_whole_when_sampling():
 
 def test_compiled_staged_rounds_match_plain_greedy_without_recompiling(monkeypatch):
     """The draft's one-token step and its chunk of guesses, warmed up, serve every round (guards
-    checked on every call, recompiling refused), with plain greedy's output."""
-    target = kernels.install(random_model(seed=0))
-    draft = kernels.install(noisy_copy(random_model(seed=0), 0.05))
+    checked on every call, recompiling refused), with plain greedy's output: the target as its
+    own draft, trees of every size up to 9 nodes (a sibling wherever there is room), chunks of
+    every length (prompt lookup on a repeating prompt)."""
+    target, draft = kernels.install(random_model(seed=0)), kernels.install(random_model(seed=0))
     prompt = PROMPTS[2]
     expected = plain_greedy(target, prompt, 32)
-    spec = staged_engine(target, draft, compile=True)
+    spec = staged_engine(target, draft, compile=True, branch_below=ALWAYS)
     spec.warm_up([prompt], Sampling())
     monkeypatch.setattr("engine.guards_skipped", lambda skip: contextlib.nullcontext())
     with torch.compiler.set_stance("fail_on_recompile"):
