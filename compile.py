@@ -45,7 +45,8 @@ def compile_options(device: torch.device, compile_mode: str) -> dict:
 
 # the sources whose code a compiled step traces or calls
 TRACED_SOURCES = ("model.py", "forwards.py", "engine.py", "sampling.py", "kernels.py", "kernels.cpp", "qlayers.py",
-                  "packing.py", "thresholds.py", "tp.py", "pipeline.py", "grammar.py", "speculative.py", "proposers.py")
+                  "packing.py", "thresholds.py", "tp.py", "pipeline.py", "grammar.py", "speculative.py", "proposers.py",
+                  "staged.py")
 
 
 @functools.cache

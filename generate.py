@@ -34,6 +34,7 @@ import lookahead
 import shapes
 import proposers
 import speculative
+import staged
 from checkpoint import write_json
 from engine import ONE_SEQUENCE, Chat, Engine, log
 from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype
@@ -355,13 +356,15 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
         draft = load(tp, args.draft_checkpoint, device, draft_dtype, shard=False)
         log(f"loaded draft {args.draft_checkpoint} "
             f"({describe_weights(draft, args.draft_dtype or args.dtype, device, args.draft_checkpoint)})")
-        proposer = proposers.DraftProposer(draft, compile=args.compile, compile_mode=args.compile_mode)
+        drafting = staged.StagedProposer if args.staged else proposers.DraftProposer
+        proposer = drafting(draft, compile=args.compile, compile_mode=args.compile_mode)
     else:
         return engine
     k = proposer.N - 1 if args.lookahead is not None else args.speculate_k  # (lookahead: its longest path)
+    tree_nodes = args.speculate_tree or (2 * args.speculate_k if args.staged else 0)
     return speculative.SpeculativeEngine(engine, proposer, k, compile=args.compile,
                                          compile_mode=args.compile_mode, adaptive=args.adaptive_k,
-                                         tree_nodes=args.speculate_tree)
+                                         tree_nodes=tree_nodes)
 
 
 def main(argv=None):

@@ -129,9 +129,14 @@ def add_speculation_args(p):
                         "and the observed acceptance (spec_cost.py); a draft model stops drafting where it "
                         "grows unsure (default: on; --no-adaptive_k always proposes --speculate_k)")
     p.add_argument("--speculate_tree", type=int, default=0, metavar="NODES",
-                   help="with --suffix or --ngram: verify a tree of up to NODES candidates (several likely "
-                        "continuations, --speculate_k deep) in each forward instead of one chain, and keep its "
-                        "longest accepted path (tree.py; a round that picks on the host keeps the chain)")
+                   help="with --suffix, --ngram or --staged: verify a tree of up to NODES candidates (several "
+                        "likely continuations, --speculate_k deep) in each forward instead of one chain, and keep "
+                        "its longest accepted path (tree.py; a round that picks on the host keeps the chain)")
+    p.add_argument("--staged", action="store_true",
+                   help="with --draft_checkpoint: staged speculative decoding (staged.py): the draft proposes a "
+                        "tree, its chain plus its second choice where it is unsure (--speculate_tree nodes, "
+                        "default 2 x --speculate_k), and checks prompt-lookup guesses of its own chain several "
+                        "tokens a forward")
     p.add_argument("--compare_plain", action="store_true",
                    help="with speculation: also decode without it and print both speeds (and, greedy, "
                         "whether the outputs are identical)")
@@ -229,8 +234,10 @@ def check_args(args):
         raise UserError("--pp runs a --checkpoint without speculative decoding or --prompt_cache")
     if args.speculate_k < 1:
         raise UserError("--speculate_k must be at least 1")
-    if args.speculate_tree < 0 or (args.speculate_tree and not (args.suffix or args.ngram is not None)):
-        raise UserError("--speculate_tree takes a number of nodes >= 0 and goes with --suffix or --ngram")
+    if args.staged and not args.draft_checkpoint:
+        raise UserError("--staged needs --draft_checkpoint")
+    if args.speculate_tree < 0 or (args.speculate_tree and not (args.suffix or args.ngram is not None or args.staged)):
+        raise UserError("--speculate_tree takes a number of nodes >= 0 and goes with --suffix, --ngram or --staged")
     if args.draft_dtype and not args.draft_checkpoint:
         raise UserError("--draft_dtype needs --draft_checkpoint")
     if args.checkpoint is not None:

@@ -7,7 +7,8 @@ in one forward pass over k + 1 positions, and the output is exactly what the tar
         --prompt "Fix the typo in this sentence: ..."
 
 Proposers (proposers.py): a draft model, prompt lookup (n-grams), or suffix matching (suffix.py);
-lookahead decoding (lookahead.py) proposes from a pool that its own rounds fill, in the verify's forward.
+a draft that proposes trees, its chain sped up by prompt lookup (staged.py); lookahead decoding
+(lookahead.py) proposes from a pool that its own rounds fill, in the verify's forward.
 
 Verification (`SpeculativeEngine.speculative_decode`), over [last token, d_1 .. d_k]:
 - greedy: accept the longest prefix of proposals equal to the target's argmax, then the
@@ -22,7 +23,8 @@ Trees (--speculate_tree NODES, `speculative_tree_decode`, tree.py): the proposer
 NODES candidates (several continuations, k deep) goes through the target in one forward, each
 node attending to its ancestors only; the longest accepted path is kept (greedy: the argmax's
 child at each node; sampling: recursive rejection sampling over a node's children, exact for
-point masses), and its keys and values are moved to the positions it takes in the sequence.
+point masses and for a draft's draws, whose q the tree carries), and its keys and values are
+moved to the positions it takes in the sequence.
 
 Structured output, penalties, logit_bias, logprobs (`speculative_decode_host`): the verify
 returns logits and tokens are picked on the host, as `Engine.generate` picks them (penalties and

@@ -8,11 +8,12 @@ checks a tree of candidate continuations instead of one chain, and the longest a
   keys and to its ancestors only (`Tree.ancestor_mask`).
 - Acceptance: greedy follows, from the root, the child whose token is the target's argmax at its
   parent (token-identical to greedy decoding); sampling tries a node's children in turn by
-  recursive rejection sampling (`sampled_path`), exact for point-mass candidates.
+  recursive rejection sampling (`sampled_path`), exact for point-mass candidates and for children
+  drawn from a draft's distributions (`Tree.q`).
 - `compact`: the accepted path's keys and values move from their nodes' slots to the positions the
   path takes in the sequence, in every layer, so that what rejected branches wrote is never read.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -25,6 +26,9 @@ from sampling import sample_probs
 class Tree:
     tokens: list  # node i's token; tokens[0] the root
     parents: list  # node i's parent, an earlier node; parents[0] = -1
+    # (N, V): the distribution node i's children were drawn from, each independently (a draft's
+    # q, staged.py); None: the candidates are point masses
+    q: Optional[Tensor] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents) or not self.tokens or self.parents[0] != -1:
@@ -99,18 +103,25 @@ def sampled_path(tree: Tree, probs: Tensor) -> tuple:
     distribution with the tokens of the children rejected before zeroed and renormalized; if all are
     rejected, the token is drawn from r. This is recursive rejection sampling with point-mass
     proposals (SpecInfer's multi-step speculative sampling with q = one-hot): for distinct
-    tokens each token comes out with probability exactly p. Returns as `greedy_path`."""
+    tokens each token comes out with probability exactly p. With tree.q, children drawn from q:
+    accepted with probability min(1, r(c) / q(c)), and each rejection leaves r = norm(max(r - q, 0))
+    (SpecInfer, with q the same for every child; one-hot q is the case above). Returns as `greedy_path`."""
     children, path, node = tree.children(), [], 0
     probs = probs.float().cpu()  # a few draws per node: on the host
+    drawn = None if tree.q is None else tree.q.float().cpu()
     while True:
         residual, accepted = probs[node].clone(), None
         for child in children[node]:
             token = tree.tokens[child]
             total = residual.sum()
-            if torch.rand(()) * total < residual[token]:  # u < r(c) / sum(r)
+            q = 1.0 if drawn is None else drawn[node, token]
+            if torch.rand(()) * total * q < residual[token]:  # u < r(c) / q(c)
                 accepted = child
                 break
-            residual[token] = 0
+            if drawn is None:
+                residual[token] = 0
+            else:
+                residual = (residual / total - drawn[node]).clamp(min=0)
         if accepted is None:
             if residual.sum() <= 0:  # the children held all of p's mass, up to rounding
                 residual = probs[node]
