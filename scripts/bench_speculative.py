@@ -9,6 +9,9 @@ Cases (--case, default: all that can run):
          Needs: python download.py smollm2-135m
   suffix-tree, ngram-tree  the suffix and n-gram cases verifying a tree of up to 15 candidates a
          forward (generate.py --speculate_tree 15): several continuations, 8 deep.
+  lookahead, qwen-lookahead  lookahead decoding (generate.py --lookahead 4,3,3: a Jacobi window of 4
+         over 2 levels, 3 pool n-grams verified) with SmolLM2-135M on the ngram case's prompts and open
+         questions, and with Qwen2.5-Coder-1.5B on code prompts and open questions.
   qwen   Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct on code prompts
          (generate.py --draft_checkpoint ... --speculate_k 5).
          Needs: python download.py qwen2.5-coder-0.5b && python download.py qwen2.5-coder-1.5b
@@ -16,6 +19,9 @@ Cases (--case, default: all that can run):
          of the bytes).
          Needs: the qwen case's models and
          python quantize.py --checkpoint checkpoints/qwen2.5-coder-0.5b --mode int8
+  qwen-staged, int4-staged  staged speculative decoding (generate.py --staged --speculate_tree 10) with
+         the qwen case's pair and with the int4 case's draft: the draft proposes a tree, its own chain
+         sped up by prompt lookup.
   int4   an int4 copy of SmolLM2-135M (group size 32) drafting for the float32 model, on the
          ngram case's prompts and a few open questions.
          Needs: python quantize.py --checkpoint checkpoints/smollm2-135m --mode int4 --groupsize 32
@@ -68,8 +74,10 @@ import torch
 import proposers
 import speculative
 from engine import Engine
+from lookahead import LookaheadProposer
 from loading import DTYPES, load_model
 from sampling import Sampling
+from staged import StagedProposer
 from tokenizer import Tokenizer
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
@@ -134,8 +142,17 @@ CASES = {
     # 15 candidates and the root: 16 queries, the most the attention kernel takes (THRESHOLDS.attend_max_queries)
     "suffix-tree": dict(target="smollm2-135m", draft=None, ngram=None, k=8, prompts=GROUNDED, tree=15),
     "ngram-tree": dict(target="smollm2-135m", draft=None, ngram=3, k=8, prompts=GROUNDED, tree=15),
+    # lookahead decoding (generate.py --lookahead 4,3,3): k is its longest path, N - 1
+    "lookahead": dict(target="smollm2-135m", draft=None, ngram=None, k=2, prompts=GROUNDED + OPEN, lookahead=(4, 3, 3)),
+    "qwen-lookahead": dict(target="qwen2.5-coder-1.5b", draft=None, ngram=None, k=2, prompts=CODE + OPEN,
+                           lookahead=(4, 3, 3)),
     "qwen": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", ngram=None, k=5, prompts=CODE),
     "qwen-int8": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b-int8", ngram=None, k=5, prompts=CODE),
+    # staged (generate.py --staged --speculate_tree 10): the draft's tree, its chain sped up by prompt lookup
+    "qwen-staged": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", ngram=None, k=5, prompts=CODE,
+                        tree=10, staged=True),
+    "int4-staged": dict(target="smollm2-135m", draft="smollm2-135m-int4-g32", ngram=None, k=5,
+                        prompts=GROUNDED + OPEN, tree=10, staged=True),
     "int4": dict(target="smollm2-135m", draft="smollm2-135m-int4-g32", ngram=None, k=5, prompts=GROUNDED + OPEN),
 }
 NEEDS = {
@@ -167,17 +184,22 @@ def missing_checkpoint(case: dict):
 def make_proposer(case: dict, args) -> proposers.Proposer:
     if case["draft"]:
         draft = load_model(CHECKPOINTS / case["draft"], dtype=DTYPES[args.draft_dtype])
-        return proposers.DraftProposer(draft, compile=args.compile)
+        drafting = StagedProposer if case.get("staged") else proposers.DraftProposer
+        return drafting(draft, compile=args.compile)
     if case["ngram"]:
         return proposers.NgramProposer(case["ngram"], args.ngram_min)
+    if case.get("lookahead"):
+        return LookaheadProposer(*case["lookahead"])
     return proposers.SuffixProposer(store_tokens=0)  # no store: a run finds only its own prompt and output
 
 
 def proposer_name(case: dict, args) -> str:
+    if case.get("lookahead"):
+        return "lookahead " + ",".join(map(str, case["lookahead"]))
     if not case["draft"]:
         tree = f" tree {case['tree']}" if case.get("tree") else ""
         return (f"ngram {case['ngram']}" if case["ngram"] else "suffix") + tree
-    return case["draft"] + (f" ({args.draft_dtype})" if args.draft_dtype != "float32" else "")
+    return ("staged " if case.get("staged") else "") + case["draft"] + (f" ({args.draft_dtype})" if args.draft_dtype != "float32" else "")
 
 
 def load_target(case: dict) -> tuple:
@@ -197,7 +219,9 @@ def encode_chats(tokenizer: Tokenizer, chats: list) -> list:
 
 def build_engines(name: str, case: dict, target, ids: list, k: int, args) -> tuple:
     """(engine, speculative engine) on one target, both warmed up (compiled) on the first prompt."""
-    max_seq_length = -(-(max(map(len, ids)) + args.max_new_tokens + k) // 256) * 256  # rounded up to 256
+    W, N, G = case.get("lookahead", (0, 1, 0))
+    spare = k + (N - 1) * (W + G)  # slots a verify writes past the last token
+    max_seq_length = -(-(max(map(len, ids)) + args.max_new_tokens + spare) // 256) * 256  # rounded up to 256
     engine = Engine(target, 1, max_seq_length, compile=args.compile)
     spec = speculative.SpeculativeEngine(engine, make_proposer(case, args), k, compile=args.compile,
                                          tree_nodes=case.get("tree", 0))
