@@ -198,6 +198,8 @@ def follow(engine: Engine, receive: Callable):
             flights.append(engine.run(plan, fly=engine.groups > 1)[0])
             if len(flights) >= engine.groups:
                 landed(flights.popleft())
+        for out in flights:
+            landed(out)
 
 
 # ---------------------------------------------------------------- serving

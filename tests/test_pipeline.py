@@ -178,13 +178,15 @@ def test_microbatches_have_two_rows_and_enough_tokens_at_least():
 
 
 def test_decoding_groups_have_two_rows_and_keep_the_kernel_path():
+    """Groups of a step's rows, where a product changes path at 16 tokens (float32's oneDNN)."""
     s = stage(0)
     s.groups = 2
-    assert [s.group_rows(n) for n in (1, 2, 3)] == [1, 2, 3]  # a group of one row: not split
-    assert [s.group_rows(n) for n in (4, 7, 8)] == [2, 4, 4]
-    assert s.group_rows(15, (16,)) == 8 and s.group_rows(16, (16,)) == 16  # 16 rows take another path than 8
+    assert [s.group_rows(n, (16,)) for n in (1, 2, 3)] == [1, 2, 3]  # a group of one row: not split
+    assert [s.group_rows(n, (16,)) for n in (4, 7, 8, 15)] == [2, 4, 4, 8]
+    assert s.group_rows(16, (16,)) == 16 and s.group_rows(40, (16,)) == 20  # 16 rows take another path than 8
+    assert s.group_rows(8, (8,)) == 8  # bfloat16's oneDNN from 8 tokens
     s.groups = 3
-    assert s.group_rows(7) == 4 and s.group_rows(9) == 3  # 3 + 3 + 1 would leave a row alone: 2 groups
+    assert s.group_rows(7, (16,)) == 4 and s.group_rows(9, (16,)) == 3  # 3 + 3 + 1 would leave a row alone
 
 
 def test_decoding_groups_step_in_flight_and_give_lockstep_tokens():
