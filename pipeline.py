@@ -205,8 +205,8 @@ class StageTransformer(Transformer):
         return self.stage.groups
 
     def group_rows(self, running: int) -> int:
-        """Stage.group_rows at the token counts where a one-token row's products change path in this
-        model's dtype (the other dtype's oneDNN threshold does not split a group)."""
+        """Stage.group_rows at the token counts where the products of one-token rows change path in
+        this model's dtype (not at the other dtype's oneDNN threshold)."""
         dtype = self.norm.weight.dtype
         limits = (kernels.onednn_min_tokens(dtype), kernels.compiled_onednn_min_tokens(dtype),
                   THRESHOLDS.linear_max_tokens, THRESHOLDS.loop_max_tokens, THRESHOLDS.expert_loop_max_slots)

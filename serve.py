@@ -41,6 +41,7 @@ import signal
 import threading
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -149,12 +150,10 @@ def load_engine(args, tp) -> tuple[Tokenizer, Engine]:
     return tokenizer, engine
 
 
-def lead_or_follow(engine: Engine, tp) -> bool:
+def lead_or_follow(engine: Engine) -> bool:
     """Under torchrun: rank 0 sends every step's plan to the other ranks (True: it serves); the
     others run each plan it sends until it stops (False). The plans go in a group of their own,
     which a thread of each other rank receives as they come."""
-    from datetime import timedelta
-
     import torch.distributed as dist
     # on the CPU (gloo) whatever the device: its collectives on a thread never interleave with the step's
     plans = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=TIMEOUT_S), backend="gloo")
@@ -278,7 +277,7 @@ def main(argv=None):
     aside = args.compile and not args.wait_for_compile and engine.device.type == "cpu"
     if aside:  # under torchrun on every rank, which take the graphs up at the same step
         warm_up(engine, aside=True)
-    if tp is not None and not lead_or_follow(engine, tp):
+    if tp is not None and not lead_or_follow(engine):
         return
     liveness.on_lost(lambda why: engine.abort_all("error", why))  # a lost rank: the open requests get its error
     if args.compile and not aside:  # CUDA graphs are recorded with the device to themselves
