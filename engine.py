@@ -539,7 +539,7 @@ class Stats:
     new_tokens: int
     ttft_s: float
     decode_s: float
-    token_times: list  # host time at which each decode step's tokens were ready
+    token_times: list  # host time at which each decode round's tokens were ready (every running row's next)
     batch_size: int = 1
     finish_reasons: list = field(default_factory=list)  # per row: "stop" | "length"
     logprobs: list = field(default_factory=list)  # per row, per token (see sampling.token_logprobs), when asked for
@@ -577,7 +577,7 @@ class Chat:
 # ---------------------------------------------------------------- metrics
 
 def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> dict:
-    steps = len(stats.token_times) - 1  # decode steps after the first token
+    steps = len(stats.token_times) - 1  # decode rounds after the first token
     gaps = [b - a for a, b in zip(stats.token_times, stats.token_times[1:])]
     tokens_per_s = steps * stats.batch_size / stats.decode_s if stats.decode_s > 0 else 0.0
     steps_per_s = steps / stats.decode_s if stats.decode_s > 0 else 0.0
