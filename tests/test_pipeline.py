@@ -127,7 +127,7 @@ def test_pp2_serves_generate_text(smollm2_dir):
     import openai
     from test_serve import API_KEY, rank0_pid, start_server
 
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The best way to learn is"]
     want = [single_process_text(smollm2_dir, "--prompt", p)[:-1] for p in prompts]
     proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 256, "--no-compile", "--pp", 2,
                              launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
