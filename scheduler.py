@@ -22,10 +22,10 @@ window goes back (its table entry becomes -1). In a model with only sliding laye
 request's blocks; in one that mixes them with full attention, the sliding layers have blocks of
 their own (`window_blocks`, from the `window` BlockManager).
 
-A planned request is in flight until its step is post-processed: no later plan takes it, nor
-preempts it. Under pipeline parallelism (pipeline.py) the engine leaves steps of decoding rows in
-flight while it plans the next, so with `group_rows` a plan takes a group's share of the decoding
-requests, and the next plan the requests not in flight: groups whose steps run at once.
+Decoding groups (pipeline.py): the engine leaves a step of one-token rows in flight while it plans
+the next, so with `group_rows` a plan takes a group's share of the decoding requests, and its
+requests are in flight until the step is post-processed: no later plan takes them, nor preempts
+them, and the next plan takes the others, groups whose steps run at once.
 """
 import collections
 import threading
@@ -151,7 +151,7 @@ class Scheduler:
         self.admissions = 0
         self.jump_forward = True  # feed the tokens a grammar forces as one chunk (False: one step each)
         self.speculation = None  # proposals for decoding requests (speculation.Speculation), where served
-        self.in_flight: set = set()  # the requests of plans not post-processed yet
+        self.in_flight: set = set()  # with group_rows: the requests of plans not post-processed yet
         self.group_rows: Optional[Callable] = None  # (running requests) -> the decoding rows a plan takes
         self.counters = collections.Counter(prompt_tokens=0, prefilled_tokens=0, cached_tokens=0,
                                             generated_tokens=0, requests_finished=0, preemptions=0,
@@ -201,7 +201,8 @@ class Scheduler:
                 plan.wants.append(len(plan.rides) - 1)
                 plan.requests.append(req)
         self.plan_prompts(plan)
-        self.in_flight.update(plan.requests + plan.chunk_requests)
+        if self.group_rows is not None:
+            self.in_flight.update(plan.requests + plan.chunk_requests)
         return plan
 
     def group(self, decoding: list) -> list:
