@@ -183,7 +183,7 @@ def test_decoding_groups_have_two_rows_and_keep_the_kernel_path():
     s.groups = 2
     assert [s.group_rows(n, (16,)) for n in (1, 2, 3)] == [1, 2, 3]  # a group of one row: not split
     assert [s.group_rows(n, (16,)) for n in (4, 7, 8, 15)] == [2, 4, 4, 8]
-    assert s.group_rows(16, (16,)) == 16 and s.group_rows(40, (16,)) == 20  # 16 rows take another path than 8
+    assert s.group_rows(16, (16,)) == 16 and s.group_rows(40, (16,)) == 20  # 16 rows: another path than 8
     assert s.group_rows(8, (8,)) == 8  # bfloat16's oneDNN from 8 tokens
     s.groups = 3
     assert s.group_rows(7, (16,)) == 4 and s.group_rows(9, (16,)) == 3  # 3 + 3 + 1 would leave a row alone
