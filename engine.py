@@ -30,7 +30,7 @@ from checkpoint import huge_page_zeros
 from choices import BLOCK_SIZE
 from compile import compile_chunk, compile_step, guards_skipped
 from errors import UserError, log
-from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides
+from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides, landed, shared
 from grammar import token_masks
 from memory import Need, check_memory, kv_cache_bytes, peak_memory_bytes
 from model import Transformer, param_bytes
@@ -85,6 +85,8 @@ class Engine:
         self.forces_whole = True  # feed the tokens a grammar forces as one chunk (jump_forward)
         self.store = None  # the prefix cache on disk (prompt_store.PromptStore), when one is open
         self.speculation = speculation  # verify rows in the step (speculation.Speculation: serve.py --speculative)
+        # pipeline parallelism: decoding groups whose steps are in the stages at once (pipeline.py)
+        self.groups, self.flights = getattr(model, "groups", 1), collections.deque()  # flights: (plan, *run's out)
         self.setup(max_batch_size, max_seq_length, kv_tokens, prefix_caching)
         self.broadcast: Optional[Callable] = None  # tensor parallelism: rank 0 sends each plan to the others
         self.wakeup = threading.Event()  # set by submit and cancel
@@ -116,6 +118,7 @@ class Engine:
                                    self.max_waiting, recompute_position(self.model.args), window, self.window_blocks)
         self.scheduler.jump_forward = self.forces_whole
         self.scheduler.speculation = self.speculation
+        self.scheduler.group_rows = self.model.group_rows if self.groups > 1 else None
 
     def chunk_tokens(self) -> int:
         return self.prefill_chunk or self.max_seq_length
@@ -195,7 +198,7 @@ class Engine:
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.flights)
 
     def forget_prefixes(self):
         """Drop every cached block that no request holds: the next prompt is computed cold."""
@@ -221,24 +224,39 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> bool:
-        """Schedule, run and post-process one step. False when there was nothing to do."""
+        """Schedule, run and post-process one step. False when there was nothing to do. With decoding
+        groups, a step of one-token rows stays in flight: its tokens are collected (land) before its
+        requests' next step, so that up to `groups` steps are in the pipeline's stages at once."""
         self.steps += 1
+        if len(self.flights) >= self.groups:
+            self.land()
         plan = self.scheduler.schedule()
         if plan.empty():
-            return False
+            return self.land()
         try:
             self.sampling_for(plan)
             if self.broadcast is not None:
                 self.broadcast(plan.wire())
-            out = self.run(plan)
+            flies = self.groups > 1 and not plan.chunks
+            out = self.run(plan, fly=flies)
         except Exception as e:  # a fault in the forward pass ends the requests in it, not the engine
             liveness.confirm()  # unless a rank was lost: then this process ends, naming it
             log(f"engine: step failed ({type(e).__name__}: {e})")
             for req in set(plan.requests + plan.chunk_requests):
                 self.scheduler.finish(req, "error", f"{type(e).__name__}: {e}")
             return True
+        if flies:
+            self.flights.append((plan, *out))
+            return True
         self.run_ahead(plan)
         self.postprocess(plan, *out)
+        return True
+
+    def land(self) -> bool:
+        """Post-process the oldest step in flight, whose tokens it waits for (False: none is)."""
+        if not self.flights:
+            return False
+        self.postprocess(*self.flights.popleft())
         return True
 
     def run_ahead(self, plan: StepPlan):
@@ -272,10 +290,11 @@ class Engine:
         if any(r.constraint is not None for r in wanted):
             plan.mask = token_masks([r.constraint for r in wanted], self.model.args.vocab_size).to(self.device)
 
-    def run(self, plan: StepPlan) -> tuple[Optional[Tensor], list]:
+    def run(self, plan: StepPlan, fly: bool = False) -> tuple[Optional[Tensor], list]:
         """The model's part of a step (every tensor-parallel rank runs it): the rides' wanted rows'
-        logits (L, V) or, when the plan samples in the step, their tokens (L, 1); and each chunk's
-        last logits (V,) (every token's (T, V) for a chunk marked so)."""
+        logits (L, V) or, when the plan samples in the step, their tokens (L, 1), which fly leaves in
+        flight (under pipeline parallelism); and each chunk's last logits (V,) (every token's (T, V)
+        for a chunk marked so)."""
         # (warmup.compile_aside) from here on, the graphs; the ranks agree at steps every rank runs
         if self.compiling_aside and not plan.empty() and self.graphs_ready():
             (self.rides, self.short_chunk, self.long_chunk), self.compiled_ready = self.compiled_ready, None
@@ -283,6 +302,7 @@ class Engine:
             self.compiling_aside = False
         self.eager_steps += self.compiling_aside
         out = self.run_rides(plan) if plan.rides else None
+        out = out if fly else landed(out)
         if not plan.rides:
             self.last_out = None
         every = [i for i, chunk in enumerate(plan.chunks) if len(chunk) > 3 and chunk[3]]
@@ -347,6 +367,7 @@ class Engine:
             out = self.rides(self.model, inputs["tokens"], inputs["positions"], self.block_size, batch.kv_len,
                              inputs["logit_rows"], sampling, mask,
                              **{k: v for k, v in inputs.items() if k not in ("tokens", "positions", "logit_rows")})
+        out = shared(self.model, out, wait=False)  # waited for by run, or in flight by its first use
         return out.clone() if self.lookahead else out  # a CUDA graph's next replay overwrites its output
 
     def run_chunk(self, tokens: list, start: int, tables: tuple, every: bool = False, tree=None) -> Tensor:
@@ -442,12 +463,6 @@ class Engine:
         self.scheduler.seal_full(request)
         self.scheduler.release_out_of_window(request)
 
-    def follow(self, receive: Callable):
-        """A tensor-parallel rank other than 0: run every plan rank 0 sends, until it sends None."""
-        with torch.inference_mode():
-            while (plan := receive()) is not None:
-                self.run(plan)
-
     # ---- a batch of prompts, start to end (generate.py)
 
     @torch.inference_mode()
@@ -470,14 +485,18 @@ class Engine:
         try:
             for row in rows:
                 self.submit(row)
+            counts = []  # each row's tokens at the last time taken
             while any(r.finish_reason is None for r in rows):
-                counts = [len(r.out) for r in rows]
                 if not self.step() and any(r.finish_reason is None for r in rows):  # (a grammar may end one at once)
                     raise UserError("the KV cache cannot hold these prompts")
-                if first is None and all(r.out for r in rows):
-                    first = time.perf_counter()
-                elif first is not None and [len(r.out) for r in rows] != counts:
+                now = [len(r.out) for r in rows]
+                if first is None and all(now):
+                    first, counts = time.perf_counter(), now
+                # a time a round: each running row a token on (with decoding groups, a step of each group)
+                elif first is not None and now != counts and all(n > c or r.finish_reason
+                                                                 for n, c, r in zip(now, counts, rows)):
                     times.append(time.perf_counter())
+                    counts = now
         finally:
             self.sample_in_step = in_step
             for row in rows:
@@ -522,7 +541,7 @@ class Stats:
     new_tokens: int
     ttft_s: float
     decode_s: float
-    token_times: list  # host time at which each decode step's tokens were ready
+    token_times: list  # host time at which each decode round's tokens were ready (every running row's next)
     batch_size: int = 1
     finish_reasons: list = field(default_factory=list)  # per row: "stop" | "length"
     logprobs: list = field(default_factory=list)  # per row, per token (see sampling.token_logprobs), when asked for
@@ -560,7 +579,7 @@ class Chat:
 # ---------------------------------------------------------------- metrics
 
 def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> dict:
-    steps = len(stats.token_times) - 1  # decode steps after the first token
+    steps = len(stats.token_times) - 1  # decode rounds after the first token
     gaps = [b - a for a, b in zip(stats.token_times, stats.token_times[1:])]
     tokens_per_s = steps * stats.batch_size / stats.decode_s if stats.decode_s > 0 else 0.0
     steps_per_s = steps / stats.decode_s if stats.decode_s > 0 else 0.0

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from grammar import unpack_mask
 from kvcache import ForwardBatch
@@ -24,12 +25,14 @@ def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_s
     """One token a row (W, 1) at its position (W, 1), reading its keys up to kv_len through its block
     table (views: ForwardBatch's slots and block_table, and a mixed model's window_slots and
     window_table): the logits (L, V) of rows logit_rows (L,), or with sampling their next tokens
-    (L, 1); mask (L, ceil(V / 32)): the tokens a grammar allows."""
+    (L, 1); mask (L, ceil(V / 32)): the tokens a grammar allows. Under pipeline parallelism, this
+    stage's result: the engine shares the last stage's after the step (shared), where it can leave
+    the exchange in flight."""
     batch = ForwardBatch(positions, block_size=block_size, kv_len=kv_len, logit_rows=logit_rows, **views)
     logits = model(tokens, batch)[:, -1]  # (L, V)
     if mask is not None:
         logits = logits.masked_fill(~unpack_mask(mask, logits.shape[-1]), float("-inf"))
-    return shared(model, logits if sampling is None else sample_in_step(logits, sampling))
+    return logits if sampling is None else sample_in_step(logits, sampling)
 
 
 def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
@@ -41,11 +44,17 @@ def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, block_s
     return shared(model, model(tokens, batch))
 
 
-def shared(model: Transformer, out: Tensor) -> Tensor:
+def shared(model: Transformer, out: Tensor, wait: bool = True) -> Tensor:
     """A forward's result as every rank must see it: under pipeline parallelism the last stage's,
-    sent after sampling, so that a decode step sends its rows' tokens rather than their logits."""
+    sent after sampling, so that a decode step sends its rows' tokens rather than their logits.
+    wait=False: it arrives meanwhile, and its first use waits for it (landed)."""
     share = getattr(model, "share", None)  # pipeline.StageTransformer's
-    return out if share is None else share(out)
+    return out if share is None else share(out, wait)
+
+
+def landed(out: Optional[Tensor]) -> Optional[Tensor]:
+    """A result shared() left in flight, once it has arrived; anything else as it is."""
+    return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
 
 
 def bucket(n: int, limit: int, smallest: int = 128) -> int:

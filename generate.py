@@ -370,7 +370,7 @@ def build_engine(args, tp, device, dtype, draft_dtype, rows: int, max_seq_length
 def main(argv=None):
     args = parse_args(argv)
     # under torchrun: this rank's shard (tp.py), of its stage's layers with --pp (pipeline.py), and device
-    tp, args.device = init_from_env(args.device, args.tp_mode, args.pp, args.microbatches)
+    tp, args.device = init_from_env(args.device, args.tp_mode, args.pp, args.microbatches, args.pp_groups)
     if tp is not None and args.interactive:
         raise UserError("--interactive is not supported with tensor parallelism (torchrun)")
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)

@@ -99,6 +99,20 @@ def add_parallel_args(p):
                    help="with --pp: a step's rows go through the stages in up to M parts, so that the stages run "
                         "at once; only a step of 256 tokens a part or more (a batch of prompts) is split "
                         "(default: 1: one part; pipeline.py)")
+    p.add_argument("--pp_groups", type=int, default=None, metavar="G",
+                   help="with --pp: decoding requests go in up to G groups whose steps are in the stages at once "
+                        "(a stage runs one group's step while the next stage runs another's), groups of two "
+                        "requests or more; 1: every request in each step, the stages in turn (default: N)")
+
+
+def check_pipeline_args(args):
+    """--pp and the flags that go with it (generate.py's and serve.py's)."""
+    if args.pp < 1:
+        raise UserError("--pp must be at least 1")
+    if args.microbatches != 1 and (args.microbatches < 1 or args.pp == 1):
+        raise UserError("--microbatches goes with --pp and must be at least 1")
+    if args.pp_groups is not None and (args.pp_groups < 1 or args.pp == 1):
+        raise UserError("--pp_groups goes with --pp and must be at least 1")
 
 
 def add_speculation_args(p):
@@ -226,10 +240,7 @@ def check_args(args):
         lookahead_sizes(args.lookahead)
     if args.ngram is not None and args.ngram < 1:
         raise UserError("--ngram must be at least 1")
-    if args.pp < 1:
-        raise UserError("--pp must be at least 1")
-    if args.microbatches != 1 and (args.microbatches < 1 or args.pp == 1):
-        raise UserError("--microbatches goes with --pp and must be at least 1")
+    check_pipeline_args(args)
     if args.pp > 1 and (proposer_flags(args) or args.prompt_cache or args.shape):
         raise UserError("--pp runs a --checkpoint without speculative decoding or --prompt_cache")
     if args.speculate_k < 1:

@@ -12,8 +12,20 @@ Every rank runs every step, as under tensor parallelism (the same plans, in the 
 first stage embeds the tokens and runs its layers, each stage sends its output (B, T, dim) to the
 next, and the last stage computes the logits and broadcasts what the step returns to its rank of
 every stage (forwards.shared): the tokens it sampled where the step samples (8 bytes a row), else
-the logits (a row's vocabulary in float32), so that every engine's scheduler stays in lockstep. A
-step therefore runs the stages in turn: a stage waits while the others compute.
+the logits (a row's vocabulary in float32), so that every engine's scheduler stays in lockstep. One
+step runs the stages in turn: a stage waits while the others compute.
+
+Decoding groups (--pp_groups G, default N) keep every stage busy while decoding. The engine splits
+the decoding requests into up to G groups (Stage.group_rows) and leaves each group's step in flight
+(Engine.step): while the last stage runs group A's step t, the first stage runs group B's step t,
+and it collects A's tokens (the last stage's broadcast) just before A's step t + 1 needs them.
+Every rank still runs the same plans in the same order; it only waits later for a step's tokens.
+A step is not split: the gain comes from more requests in flight, not from smaller steps. A decode
+step is bound by its weight reads, so a group's step costs about what a step of every request
+costs; with G groups, each as large as one lockstep step's rows, G times the requests decode in
+about the time one lockstep step took. A group has two rows or more, and no product of its step
+takes another kernel path than in a step of every decoding request, so the text stays one
+process's.
 
 With --microbatches M, a step of many tokens (a batch of prompts) goes through the stages in up to
 M parts of its rows: each stage sends a part on and starts the next while the next stage runs it.
@@ -22,7 +34,9 @@ part. A part keeps every product on the whole step's kernel path, so the text st
 
 The exchanges are broadcasts in groups of two ranks (one stage's rank and the next's) and in each
 pipe (a tp_rank's rank of every stage), through functional collectives that torch.compile traces
-into the compiled step as it does tp.py's, so the compiled step needs no graph break.
+into the compiled step as it does tp.py's, so the compiled step needs no graph break. A decode
+step's result is shared after its compiled graph (the engine calls forwards.shared), where the
+exchange can stay in flight: a traced collective is waited for inside the graph.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -33,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
+import kernels
 import tp as tensor_parallel
 from errors import TPError, UserError
 from kvcache import ForwardBatch
@@ -64,6 +79,7 @@ class Stage:
     first_layer: int = 0  # set by shard_modules from the model's layer count
     n_layers: int = 0
     microbatches: int = 1  # a step's rows go through the stages in up to this many parts
+    groups: int = 1  # decoding requests in up to this many groups, whose steps are in flight at once
 
     def parts(self, rows: int, tokens: int, last: bool) -> list:
         """(first row, rows) of each micro-batch of a step of `rows` rows of `tokens` tokens (last:
@@ -77,6 +93,17 @@ class Stage:
                     least * t <= v <= rows * t for v in TOKEN_LIMITS for t in {tokens, 1 if last else tokens}):
                 return [split_evenly(rows, n, i) for i in range(n)]
         return [(0, rows)]
+
+    def group_rows(self, running: int, limits: tuple = TOKEN_LIMITS) -> int:
+        """The decoding rows a step takes of `running` requests: a group's share, in the most groups
+        (up to `groups`) of two rows or more each where no product takes another path than in a step
+        of them all (limits: token counts at which one changes path); else all of them."""
+        for n in range(min(self.groups, running // 2), 1, -1):
+            rows = -(-running // n)
+            least = running - (n - 1) * rows
+            if least >= 2 and not any(least <= v <= running for v in limits):
+                return rows
+        return running
 
     @property
     def first(self) -> bool:
@@ -131,9 +158,11 @@ class Stage:
         compiled graph could drop a collective whose result nothing waits on)."""
         return funcol.broadcast(x.contiguous(), 0, self.next)
 
-    def share(self, out: Tensor) -> Tensor:
-        """The last stage's out (logits or tokens), on every stage."""
-        return funcol.wait_tensor(funcol.broadcast(out.contiguous(), self.stages - 1, self.pipe))
+    def share(self, out: Tensor, wait: bool = True) -> Tensor:
+        """The last stage's out (logits or tokens), on every stage; wait=False: in flight, an
+        AsyncCollectiveTensor that its first use waits for (eager only: a traced one is waited)."""
+        out = funcol.broadcast(out.contiguous(), self.stages - 1, self.pipe)
+        return funcol.wait_tensor(out) if wait else out
 
 
 class StageTransformer(Transformer):
@@ -167,9 +196,21 @@ class StageTransformer(Transformer):
         # runs on it, and share() replaces the result by the last stage's
         return tokens.new_zeros(rows, T if batch.last is None else 1, self.args.vocab_size, dtype=torch.float32)
 
-    def share(self, out: Tensor) -> Tensor:
+    def share(self, out: Tensor, wait: bool = True) -> Tensor:
         """The last stage's result of a forward (its logits, or the tokens sampled from them), on every stage."""
-        return self.stage.share(out)
+        return self.stage.share(out, wait)
+
+    @property
+    def groups(self) -> int:
+        return self.stage.groups
+
+    def group_rows(self, running: int) -> int:
+        """Stage.group_rows at the token counts where the products of one-token rows change path in
+        this model's dtype (not at the other dtype's oneDNN threshold)."""
+        dtype = self.norm.weight.dtype
+        limits = (kernels.onednn_min_tokens(dtype), kernels.compiled_onednn_min_tokens(dtype),
+                  THRESHOLDS.linear_max_tokens, THRESHOLDS.loop_max_tokens, THRESHOLDS.expert_loop_max_slots)
+        return self.stage.group_rows(running, limits)
 
 
 def rows_of(batch: ForwardBatch, first: int, rows: int) -> ForwardBatch:
@@ -234,14 +275,15 @@ class StageParallel(TensorParallel):
 
     def rank_metrics(self, metrics: dict, model: nn.Module) -> dict:
         out = super().rank_metrics(metrics, model)
-        out.update(pp_stages=self.stage.stages, layers_per_rank=self.gather(len(model.layers)))
+        out.update(pp_stages=self.stage.stages, pp_groups=self.stage.groups,
+                   layers_per_rank=self.gather(len(model.layers)))
         return out
 
 
-def init_from_env(device: str = "cpu", mode: str = "auto", stages: int = 1,
-                  microbatches: int = 1) -> tuple[Optional[TensorParallel], str]:
+def init_from_env(device: str = "cpu", mode: str = "auto", stages: int = 1, microbatches: int = 1,
+                  groups: Optional[int] = None) -> tuple[Optional[TensorParallel], str]:
     """tp.init_from_env, and with stages > 1 this rank's StageParallel in place of its TensorParallel,
-    its steps in up to `microbatches` parts."""
+    its steps in up to `microbatches` parts, its decoding requests in up to `groups` (default stages)."""
     tp, device = tensor_parallel.init_from_env(device, mode)
     if stages == 1:
         return tp, device
@@ -251,7 +293,7 @@ def init_from_env(device: str = "cpu", mode: str = "auto", stages: int = 1,
     if world % stages:
         raise UserError(f"--pp {stages} does not divide the {world} ranks torchrun started (world = tp x pp)")
     stage = make_stage(rank, world, stages)
-    stage.microbatches = microbatches
+    stage.microbatches, stage.groups = microbatches, groups or stages
     return StageParallel(stage, device, mode), device
 
 

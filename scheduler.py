@@ -21,6 +21,11 @@ Sliding-window layers need only their window's keys: a block of theirs that fall
 window goes back (its table entry becomes -1). In a model with only sliding layers those are the
 request's blocks; in one that mixes them with full attention, the sliding layers have blocks of
 their own (`window_blocks`, from the `window` BlockManager).
+
+Decoding groups (pipeline.py): the engine leaves a step of one-token rows in flight while it plans
+the next, so with `group_rows` a plan takes a group's share of the decoding requests, and its
+requests are in flight until the step is post-processed: no later plan takes them, nor preempts
+them, and the next plan takes the others, groups whose steps run at once.
 """
 import collections
 import threading
@@ -146,6 +151,8 @@ class Scheduler:
         self.admissions = 0
         self.jump_forward = True  # feed the tokens a grammar forces as one chunk (False: one step each)
         self.speculation = None  # proposals for decoding requests (speculation.Speculation), where served
+        self.in_flight: set = set()  # with group_rows: the requests of plans not post-processed yet
+        self.group_rows: Optional[Callable] = None  # (running requests) -> the decoding rows a plan takes
         self.counters = collections.Counter(prompt_tokens=0, prefilled_tokens=0, cached_tokens=0,
                                             generated_tokens=0, requests_finished=0, preemptions=0,
                                             prefix_queries=0, prefix_hits=0)
@@ -177,7 +184,9 @@ class Scheduler:
         plan = StepPlan()
         for req in self.running:
             self.recompute_if_crossing(req)
-        decoding = [r for r in self.running if len(r.known()) - r.fed == 1]
+        decoding = [r for r in self.running if len(r.known()) - r.fed == 1 and r not in self.in_flight]
+        if self.group_rows is not None:
+            decoding = self.group(decoding)
         for req in list(decoding):
             if req in self.running and not self.make_room(req, req.fed + 1, plan):
                 decoding.remove(req)
@@ -192,7 +201,21 @@ class Scheduler:
                 plan.wants.append(len(plan.rides) - 1)
                 plan.requests.append(req)
         self.plan_prompts(plan)
+        if self.group_rows is not None:
+            self.in_flight.update(plan.requests + plan.chunk_requests)
         return plan
+
+    def group(self, decoding: list) -> list:
+        """A group's step of the decoding requests not in flight: the group_rows that waited longest,
+        which go to the back of `running`; none while one alone waits beside steps in flight, to join
+        them (a lone row's products take another path than beside others')."""
+        if len(decoding) < 2 and self.in_flight:
+            return []
+        decoding = decoding[:self.group_rows(len(self.running))]
+        for req in decoding:
+            self.running.remove(req)
+            self.running.append(req)
+        return decoding
 
     def fit_proposals(self, req: Request, drafts: list) -> list:
         """As many of req's proposals as its blocks and the free blocks that no running request
@@ -217,7 +240,7 @@ class Scheduler:
         """A LongRoPE model's request whose next forward takes it past the switch, with keys rotated
         the short way in its cache, feeds everything again from position 0 (as transformers does)."""
         switch = self.recompute_at
-        if switch is not None and 0 < req.fed <= switch < len(req.known()):
+        if switch is not None and 0 < req.fed <= switch < len(req.known()) and req not in self.in_flight:
             self.release(req)
 
     def drop_cancelled(self):
@@ -271,7 +294,7 @@ class Scheduler:
                     table.extend(got)
                     break
                 victims = [r for r in self.running if r is not req and r not in plan.requests
-                           and r not in plan.chunk_requests]
+                           and r not in plan.chunk_requests and r not in self.in_flight]
                 self.preempt(max(victims, key=lambda r: r.admitted) if victims else req)
                 if not victims:
                     return False
@@ -315,7 +338,8 @@ class Scheduler:
         room = self.fused_rows - D if D else 0
         spend = STEP_ROWS + sum(1 + pos / ROW_POSITIONS for _, pos, _ in plan.rides)
         floor, budget, fused = MIN_PROMPT_ROWS, self.prefill_chunk, False
-        prefilling = sorted((r for r in self.running if len(r.known()) - r.fed > 1), key=lambda r: r.admitted)
+        prefilling = sorted((r for r in self.running if len(r.known()) - r.fed > 1 and r not in self.in_flight),
+                            key=lambda r: r.admitted)
         for k, req in enumerate(prefilling):
             scoring = req.scoring()
             if req not in self.running or not scoring and self.waits_for_others(req, prefilling[:k]):
@@ -381,6 +405,7 @@ class Scheduler:
         """After the step ran: fed (request -> tokens its keys were written for and kept) advance
         and seal what is full; sampled (request -> token id) go to their requests, and verified
         (request -> a verify's accepted proposals and the target's token after them)."""
+        self.in_flight.difference_update(plan.requests + plan.chunk_requests)
         for req, n in fed.items():
             if req.finish_reason is None and req in self.running:
                 prompt_part = max(0, min(n, len(req.prompt) - req.fed))
@@ -426,6 +451,7 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str, error: Optional[str] = None):
         """The request ends (its blocks go back, cached ones stay cached), if it has not already."""
+        self.in_flight.discard(req)
         if req in self.running:  # (one whose output ended it outside a step still holds its blocks)
             self.running.remove(req)
             self.release(req, forget=False)

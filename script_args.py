@@ -9,7 +9,7 @@ from pathlib import Path
 
 from choices import BLOCK_SIZE, COMPILE_MODES, GPTQ_MODES, GROUPED_MODES, GROUPSIZES, QUANTIZE_MODES
 from errors import QuantizeError, UserError, require_dir
-from generate_args import add_parallel_args
+from generate_args import add_parallel_args, check_pipeline_args
 
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_TEXT = DATA / "hamlet.txt"  # eval.py's
@@ -99,10 +99,7 @@ def check_serve_args(args):
         raise UserError("--port must be in 1..65535")
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise UserError("--shutdown_timeout must be a finite number of seconds >= 0")
-    if args.pp < 1:
-        raise UserError("--pp must be at least 1")
-    if args.microbatches != 1 and (args.microbatches < 1 or args.pp == 1):
-        raise UserError("--microbatches goes with --pp and must be at least 1")
+    check_pipeline_args(args)
     if args.pp > 1 and args.prompt_cache is not None:
         raise UserError("--pp runs without --prompt_cache")
     if args.speculative == "draft":

@@ -34,11 +34,14 @@ the batched step beside the other rows and each accepts its own count; the greed
 as without. A request opts out with the extra field `"speculative": false`; one with a grammar,
 logprobs, penalties, logit_bias or a seed runs without proposals.
 """
+import collections
 import gc
+import queue
 import signal
 import threading
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -56,6 +59,7 @@ import kernels
 import liveness
 import warmup
 from engine import BLOCK_SIZE, Engine, log
+from forwards import landed
 from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype, preflight
 from errors import UserError, run_cli
 from memory import Need, activation_bytes, kv_cache_bytes, logits_bytes
@@ -65,6 +69,7 @@ from rope import recompute_position, trained_context
 from scheduler import StepPlan
 from speculation import Speculation
 from tokenizer import Tokenizer
+from tp import TIMEOUT_S
 from pipeline import init_from_env, leads
 
 
@@ -145,24 +150,55 @@ def load_engine(args, tp) -> tuple[Tokenizer, Engine]:
     return tokenizer, engine
 
 
-def lead_or_follow(engine: Engine, tp) -> bool:
+def lead_or_follow(engine: Engine) -> bool:
     """Under torchrun: rank 0 sends every step's plan to the other ranks (True: it serves); the
-    others run each plan it sends until it stops (False)."""
+    others run each plan it sends until it stops (False). The plans go in a group of their own,
+    which a thread of each other rank receives as they come."""
     import torch.distributed as dist
+    # on the CPU (gloo) whatever the device: its collectives on a thread never interleave with the step's
+    plans = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=TIMEOUT_S), backend="gloo")
 
     def broadcast(plan):
-        dist.broadcast_object_list([plan], src=0, group=tp.group)
+        dist.broadcast_object_list([plan], src=0, group=plans)
 
     def receive():
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=tp.group)
+        dist.broadcast_object_list(box, src=0, group=plans)
         return box[0]
 
     if not leads():
-        engine.follow(receive)  # the warm-up's steps first, then every step rank 0 plans
+        follow(engine, receive)  # the warm-up's steps first, then every step rank 0 plans
         return False
     engine.broadcast = broadcast
     return True
+
+
+def follow(engine: Engine, receive: Callable):
+    """Run every plan receive() returns, until None. A thread receives them as rank 0 sends them, so
+    that rank 0 does not wait for this rank to finish a step before it sends the next (with decoding
+    groups it runs one group's step while this rank runs another's); a step's result is waited for
+    `groups` steps later, as rank 0 collects it."""
+    received = queue.Queue()
+
+    def receiving():
+        try:
+            while (plan := receive()) is not None:
+                received.put(plan)
+        except BaseException as e:  # noqa: BLE001: raised on the stepping thread
+            received.put(e)
+        received.put(None)
+
+    threading.Thread(target=receiving, name="plans", daemon=True).start()
+    flights = collections.deque()
+    with torch.inference_mode():
+        while (plan := received.get()) is not None:
+            if isinstance(plan, BaseException):
+                raise plan
+            flights.append(engine.run(plan, fly=engine.groups > 1)[0])
+            if len(flights) >= engine.groups:
+                landed(flights.popleft())
+        for out in flights:
+            landed(out)
 
 
 # ---------------------------------------------------------------- serving
@@ -236,12 +272,12 @@ def main(argv=None):
     cuda = torch.cuda.is_available()  # the defaults that depend on CUDA
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    tp, args.device = init_from_env(args.device, args.tp_mode, args.pp, args.microbatches)
+    tp, args.device = init_from_env(args.device, args.tp_mode, args.pp, args.microbatches, args.pp_groups)
     tokenizer, engine = load_engine(args, tp)
     aside = args.compile and not args.wait_for_compile and engine.device.type == "cpu"
     if aside:  # under torchrun on every rank, which take the graphs up at the same step
         warm_up(engine, aside=True)
-    if tp is not None and not lead_or_follow(engine, tp):
+    if tp is not None and not lead_or_follow(engine):
         return
     liveness.on_lost(lambda why: engine.abort_all("error", why))  # a lost rank: the open requests get its error
     if args.compile and not aside:  # CUDA graphs are recorded with the device to themselves

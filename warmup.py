@@ -48,10 +48,13 @@ def generate_plans(engine, prompts: Optional[list], sampling: Sampling, host: bo
                    constrained: bool = False) -> list:
     """The steps Engine.generate takes for these prompts (None: the turns of a chat, whose tails
     after the cached turns go through the short-chunk graph): the prompts' chunk where prefill is
-    compiled, two decode steps of every row (sampling inside the step unless host, with a grammar's
-    mask when constrained), and for one row the chunks of forced tokens a grammar or logprobs meet."""
+    compiled, two decode steps of every row (a group's rows, with decoding groups; sampling inside
+    the step unless host, with a grammar's mask when constrained), and for one row the chunks of
+    forced tokens a grammar or logprobs meet."""
     rows = len(prompts) if prompts else 1
     longest = max(len(p) for p in prompts) if prompts else 1
+    group_rows = engine.scheduler.group_rows  # a decode step's rows, with decoding groups (pipeline.py)
+    decoding = group_rows(rows) if group_rows is not None else rows
     in_step = engine.sample_in_step and not host and not sampling.adjusts
     plans = []
     if prompts and engine.long_chunk is not forward_chunk:
@@ -59,11 +62,11 @@ def generate_plans(engine, prompts: Optional[list], sampling: Sampling, host: bo
     pos = max(0, min(longest, engine.max_seq_length - 2))
     if constrained and in_step:  # every decode step carries the mask, at cache lengths past one block
         with torch.inference_mode():  # an inference tensor, as a step's mask is: the graph guards on it
-            mask = token_masks([None] * rows, engine.model.args.vocab_size).to(engine.device)
+            mask = token_masks([None] * decoding, engine.model.args.vocab_size).to(engine.device)
         for pos in (2 * engine.block_size, 3 * engine.block_size):
-            plans.append(rides(rows, min(pos, engine.max_seq_length - 1), sampling=sampling, mask=mask))
+            plans.append(rides(decoding, min(pos, engine.max_seq_length - 1), sampling=sampling, mask=mask))
     else:
-        plans += [rides(rows, pos + i, sampling=sampling if in_step else None) for i in range(2)]
+        plans += [rides(decoding, pos + i, sampling=sampling if in_step else None) for i in range(2)]
     if not prompts:
         plans += chunk_plans(engine, THRESHOLDS.attend_max_queries)
     elif (host or constrained) and rows == 1:

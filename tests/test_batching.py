@@ -426,7 +426,7 @@ def test_forward_fault_ends_its_requests():
     a = Request(prompts(1)[0], 6)
     engine.submit(a)
     real = engine.run
-    engine.run = lambda plan: (_ for _ in ()).throw(RuntimeError("boom"))
+    engine.run = lambda plan, fly=False: (_ for _ in ()).throw(RuntimeError("boom"))
     engine.step()
     assert a.finish_reason == "error" and "boom" in a.error
     engine.run = real

@@ -157,6 +157,29 @@ def test_running_out_of_blocks_preempts_the_newest_request():
     assert new.preemptions == 1 and s.counters["preemptions"] == 1 and len(old.blocks) == 3
 
 
+def test_decoding_groups_take_turns_and_a_step_in_flight_is_not_planned_again():
+    """With group_rows (pipeline parallelism's decoding groups) a plan takes a group of the decoding
+    requests and the next the others, while the first's step is in flight; a group steps again once
+    its step is post-processed; a request left alone waits for the others, to step beside them."""
+    s = scheduler(num_blocks=40, rows=4)
+    s.group_rows = lambda running: running // 2 if running >= 4 else running
+    requests = [Request([i] * 3, 8) for i in range(4)]
+    for r in requests:
+        s.add(r)
+    plan = s.schedule()  # the prompts, post-processed at once
+    s.postprocess(plan, {r: 3 for r in requests}, {r: 7 for r in requests})
+    a, b = s.schedule(), s.schedule()
+    assert a.requests == requests[:2] and b.requests == requests[2:] and s.schedule().empty()
+    s.postprocess(a, {r: 1 for r in a.requests}, {r: 7 for r in a.requests})
+    a = s.schedule()
+    assert a.requests == requests[:2] and all(r.fed == 4 for r in a.requests)
+    s.finish(requests[2], "stop")
+    s.postprocess(b, {r: 1 for r in b.requests}, {r: 7 for r in b.requests})
+    assert s.schedule().empty()  # requests[3] alone waits for the group in flight
+    s.postprocess(a, {r: 1 for r in a.requests}, {r: 7 for r in a.requests})
+    assert s.schedule().requests == [requests[3], *requests[:2]] and requests[3].fed == 4
+
+
 def test_a_request_too_large_for_the_cache_is_refused_with_the_figures():
     s = scheduler(num_blocks=4, block_size=4)
     with pytest.raises(UserError, match=r"need 5 KV cache blocks of 4 tokens; the cache has 4"):

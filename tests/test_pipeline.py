@@ -4,6 +4,7 @@ checked in one process.
 
 Run: python -m pytest -q tests/test_pipeline.py
 """
+import copy
 import json
 
 import pytest
@@ -115,8 +116,9 @@ def test_inconsistent_sizes_are_refused_in_one_line(smollm2_dir):
 
 
 def test_pp2_serves_generate_text(smollm2_dir):
-    """serve.py --pp 2: rank 0 serves, rank 1 follows its plans; two requests at once (one step
-    of both rows) get generate.py's greedy texts."""
+    """serve.py --pp 2: rank 0 serves, rank 1 follows its plans (received on a thread as they come);
+    four requests at once, decoded in two groups whose steps are in the stages at once, get
+    generate.py's greedy texts."""
     import concurrent.futures
     import os
     import signal
@@ -125,7 +127,7 @@ def test_pp2_serves_generate_text(smollm2_dir):
     import openai
     from test_serve import API_KEY, rank0_pid, start_server
 
-    prompts = ["The capital of France is", "def fibonacci(n):"]
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The best way to learn is"]
     want = [single_process_text(smollm2_dir, "--prompt", p)[:-1] for p in prompts]
     proc, url = start_server(smollm2_dir, "--max_batch_size", 4, "--max_seq_length", 256, "--no-compile", "--pp", 2,
                              launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -135,7 +137,7 @@ def test_pp2_serves_generate_text(smollm2_dir):
 
         def complete(p):
             return client.completions.create(model="smollm2-135m", prompt=p, max_tokens=16, temperature=0).choices[0].text
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
             assert list(pool.map(complete, prompts)) == want
     finally:  # torchrun treats a SIGTERM of its own as a failure: stop rank 0, the others follow it
         os.kill(rank0_pid(proc.pid), signal.SIGTERM)
@@ -173,6 +175,53 @@ def test_microbatches_have_two_rows_and_enough_tokens_at_least():
     assert s.parts(64, 1, False) == [(0, 64)]  # a decode step: one part
     assert s.parts(9, 300, True) == [(0, 9)]  # the last layer's 9 tokens past 8, parts of 2 to 4 not
     assert s.parts(32, 129, True) == [(0, 32)]  # parts of 8 rows would take their last layer's 8 tokens elsewhere
+
+
+def test_decoding_groups_have_two_rows_and_keep_the_kernel_path():
+    """Groups of a step's rows, where a product changes path at 16 tokens (float32's oneDNN)."""
+    s = stage(0)
+    s.groups = 2
+    assert [s.group_rows(n, (16,)) for n in (1, 2, 3)] == [1, 2, 3]  # a group of one row: not split
+    assert [s.group_rows(n, (16,)) for n in (4, 7, 8, 15)] == [2, 4, 4, 8]
+    assert s.group_rows(16, (16,)) == 16 and s.group_rows(40, (16,)) == 20  # 16 rows: another path than 8
+    assert s.group_rows(8, (8,)) == 8  # bfloat16's oneDNN from 8 tokens
+    s.groups = 3
+    assert s.group_rows(7, (16,)) == 4 and s.group_rows(9, (16,)) == 3  # 3 + 3 + 1 would leave a row alone
+
+
+def test_decoding_groups_step_in_flight_and_give_lockstep_tokens():
+    """The engine's side of decoding groups, in one process: a model that decodes in two groups (as a
+    pipeline stage says) runs one group's step while the other's is in flight, and every request
+    gets the greedy tokens of an engine that steps them all at once."""
+    from conftest import random_model
+    from engine import Engine
+    from sampling import Sampling
+
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    model = random_model(seed=3)
+    want, _ = Engine(copy.deepcopy(model), len(prompts), 64).generate(prompts, 8, Sampling())
+    model.groups, model.group_rows = 2, lambda running: -(-running // 2) if running >= 4 else running
+    model.share = lambda out, wait: out  # one process: every stage's result is already its own
+    engine, flying = Engine(model, len(prompts), 64), []
+    step = engine.step
+    engine.step = lambda: (step(), flying.append([len(p.requests) for p, *_ in engine.flights]))[0]
+    got, stats = engine.generate(prompts, 8, Sampling())
+    assert got == want
+    assert [3, 2] in flying and [2, 3] in flying  # a step of each group in flight at once
+    assert len(stats.token_times) == 8  # a time a round: the first token, then 7 rounds of both groups
+
+
+@pytest.mark.parametrize("ckpt", ["float32", "int8"])
+def test_pp2_decoding_groups_text_is_single_process_text(smollm2_dir, ckpt, request):
+    """Four prompts decoded in two groups of two (--pp_groups defaults to the stages): each stage runs
+    one group's step while the other runs the other's, and every row prints one process's text."""
+    path = smollm2_dir if ckpt == "float32" else request.getfixturevalue("int8_dir")
+    prompts = [arg for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,")
+               for arg in ("--prompt", p)]
+    flags = [*prompts, "--max_new_tokens", 12, "--ignore_eos"]
+    r = torchrun(2, "generate.py", "--checkpoint", path, *flags, "--no-compile", "--pp", 2, timeout=300)
+    assert r.returncode == 0, job_log(r)
+    assert r.stdout == single_process_text(path, *flags) and r.stdout.count("--- row") == 4
 
 
 def test_pp3_untied_model_text_is_single_process_text(smollm2_dir, tmp_path):

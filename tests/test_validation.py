@@ -320,7 +320,8 @@ WITHOUT_TORCH = "import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.
 # script -> the flags it needs beside --checkpoint; flags whose values it refuses, and the message
 FLAG_ERRORS = {
     "generate.py": ([], {"--max_new_tokens 0": "error: --max_new_tokens must be at least 1",
-                         "--pp 0": "error: --pp must be at least 1"}),
+                         "--pp 0": "error: --pp must be at least 1",
+                         "--pp_groups 2": "error: --pp_groups goes with --pp"}),
     "serve.py": ([], {"--port 70000": "error: --port must be in 1..65535",
                       "--microbatches 2": "error: --microbatches goes with --pp",
                       "--max_seq_length 1": "error: --max_seq_length must be at least 2",
