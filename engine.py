@@ -116,6 +116,8 @@ class Engine:
                                    self.max_waiting, recompute_position(self.model.args), window, self.window_blocks)
         self.scheduler.jump_forward = self.forces_whole
         self.scheduler.speculation = self.speculation
+        if self.speculation is not None and self.pad_rows:  # wider steps than warm-up's would capture graphs
+            self.speculation.max_rows = self.step_width(max_batch_size)
 
     def chunk_tokens(self) -> int:
         return self.prefill_chunk or self.max_seq_length
@@ -226,6 +228,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty():
             return False
+        start = time.perf_counter()
         try:
             self.sampling_for(plan)
             if self.broadcast is not None:
@@ -239,6 +242,8 @@ class Engine:
             return True
         self.run_ahead(plan)
         self.postprocess(plan, *out)
+        if self.speculation is not None and not plan.chunks and len(plan.wants) == len(plan.rides):
+            self.speculation.timed(len(plan.rides), time.perf_counter() - start)  # its cost model's step times
         return True
 
     def run_ahead(self, plan: StepPlan):

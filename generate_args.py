@@ -124,7 +124,8 @@ def add_speculation_args(p):
     p.add_argument("--speculate_tree", type=int, default=0, metavar="NODES",
                    help="with --suffix or --ngram: verify a tree of up to NODES candidates (several likely "
                         "continuations, --speculate_k deep) in each forward instead of one chain, and keep its "
-                        "longest accepted path (tree.py; a round that picks on the host keeps the chain)")
+                        "longest accepted path (tree.py; a round that picks on the host keeps the chain); with "
+                        "--adaptive_k, of each tree the nodes that pay for their cost, or none (a plain step)")
     p.add_argument("--compare_plain", action="store_true",
                    help="with speculation: also decode without it and print both speeds (and, greedy, "
                         "whether the outputs are identical)")

@@ -46,6 +46,11 @@ class Tree:
                 node = index[node, token]
         return cls(tokens, parents)
 
+    def subtree(self, nodes: list) -> "Tree":
+        """The root and `nodes` (ascending, each one's parent among them or the root), renumbered."""
+        index = {node: i for i, node in enumerate([0] + nodes)}
+        return Tree([self.tokens[0]] + [self.tokens[n] for n in nodes], [-1] + [index[self.parents[n]] for n in nodes])
+
     def __len__(self) -> int:
         return len(self.tokens)
 
