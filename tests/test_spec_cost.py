@@ -103,7 +103,7 @@ def test_a_requests_acceptance_starts_from_the_servers():
     assert request.rates() == pytest.approx(server.rates()) and min(server.rates()) > 0.9
     for _ in range(20):
         request.record(3, 0)  # its own rounds outweigh the prior, and reach the server's counts too
-    assert request.rates()[0] < 0.1 and server.rates()[0] < 0.1
+    assert request.rates()[0] < 0.1 and server.rates()[0] < 0.2
 
 
 # ---------------------------------------------------------------- the server's rows, plain Python
