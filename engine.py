@@ -116,8 +116,8 @@ class Engine:
                                    self.max_waiting, recompute_position(self.model.args), window, self.window_blocks)
         self.scheduler.jump_forward = self.forces_whole
         self.scheduler.speculation = self.speculation
-        if self.speculation is not None and self.pad_rows:  # wider steps than warm-up's would capture graphs
-            self.speculation.max_rows = self.step_width(max_batch_size)
+        if self.speculation is not None:  # a step wider than warm-up's would compile while serving
+            self.speculation.max_rows = warmup.widest_rows(self)
 
     def chunk_tokens(self) -> int:
         return self.prefill_chunk or self.max_seq_length

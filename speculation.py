@@ -92,7 +92,7 @@ class Speculation:
         self.states: dict = {}  # request -> Speculating
         self.acceptance = Acceptance(k_max)  # every request's rounds: the prior of each one's own
         self.row_costs = RowCosts()
-        self.max_rows: Optional[int] = None  # the widest step the engine runs without compiling (CUDA graphs)
+        self.max_rows: Optional[int] = None  # the widest step the engine runs without compiling (warmup.widest_rows)
         self.proposed = self.accepted = self.verifies = 0
 
     @staticmethod

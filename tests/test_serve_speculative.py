@@ -136,6 +136,15 @@ def test_proposal_rows_follow_the_step_costs():
     assert sum(map(len, spec.propose(reqs[:1]).values())) == 2
 
 
+def test_verify_rows_stay_within_the_compiled_shapes():
+    """A compiled CPU step of fewer streams than make the float products change kernels takes no
+    more rows than that (a wider one would compile while serving); an eager one any number."""
+    model = random_model(device=TEST_DEVICE)
+    assert serving(copy.deepcopy(model), 4, 64, speculation=Speculation("ngram")).speculation.max_rows is None
+    compiled = serving(copy.deepcopy(model), 4, 64, speculation=Speculation("ngram"), compile=True, pad_rows=False)
+    assert compiled.speculation.max_rows == kernels.compiled_onednn_min_tokens(torch.float32) - 1
+
+
 def test_suffix_store_learns_from_earlier_requests():
     """A request's output is proposed to a later request that continues the same text."""
     spec = Speculation("suffix")
