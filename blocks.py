@@ -123,3 +123,10 @@ class BlockManager:
         if self.key[block] is not None:
             del self.by_key[self.key[block]]
             self.key[block] = None
+
+    def forget_idle(self):
+        """Drop every cached block that no request holds (least recently used first)."""
+        while self.idle:
+            b, _ = self.idle.popitem(last=False)
+            self.forget(b)
+            self.fresh.append(b)

@@ -116,9 +116,10 @@ class Engine:
         window = self.model.args.sliding_window if any(layer.attention.sliding for layer in self.model.layers) else None
         self.scheduler = Scheduler(self.blocks, max_batch_size, self.fused_rows, self.chunk_tokens(),
                                    self.max_waiting, recompute_position(self.model.args), window, self.window_blocks)
-        self.scheduler.jump_forward = self.forces_whole
-        self.scheduler.speculation = self.speculation
+        self.scheduler.jump_forward, self.scheduler.speculation = self.forces_whole, self.speculation
         self.scheduler.group_rows = self.model.group_rows if self.groups > 1 else None
+        if self.speculation is not None:  # a step wider than warm-up's would compile while serving
+            self.speculation.max_rows = warmup.widest_rows(self)
 
     def chunk_tokens(self) -> int:
         return self.prefill_chunk or self.max_seq_length
@@ -127,9 +128,8 @@ class Engine:
         """The blocks and every layer's slot pool, one block more for padding rows (scratch). In a
         model that mixes sliding-window layers with full attention, the sliding layers have blocks of
         their own, as many as every running request's window and a chunk after it take."""
-        bs, args, layers = self.block_size, self.model.args, self.model.layers
-        num_blocks = -(-kv_tokens // bs)
-        sliding = [layer.attention.sliding for layer in layers]
+        bs, args, num_blocks = self.block_size, self.model.args, -(-kv_tokens // self.block_size)
+        sliding = [layer.attention.sliding for layer in self.model.layers]
         # a prefix's keys are reused where they do not depend on what follows it, nor leave a window
         prefix_caching = prefix_caching and recompute_position(args) is None and not any(sliding)
         self.blocks = BlockManager(num_blocks, bs, prefix_caching)
@@ -139,9 +139,7 @@ class Engine:
             per_request = min(-(-(args.sliding_window + self.chunk_tokens()) // bs), -(-self.max_seq_length // bs)) + 1
             self.window_blocks = BlockManager(self.max_batch_size * per_request, bs, prefix_caching=False)
             window_slots = (self.window_blocks.num_blocks + 1) * bs
-        old = self.model.num_slots if self.model.num_slots > 0 else 0
-        dtype = self.model.norm.weight.dtype
-        slots = (num_blocks + 1) * bs
+        old, dtype, slots = max(self.model.num_slots, 0), self.model.norm.weight.dtype, (num_blocks + 1) * bs
         need = kv_cache_bytes(self.model, 1, slots, dtype) - kv_cache_bytes(self.model, 1, old, dtype)
         if window_slots:  # the sliding layers' share of that is their own pools'
             need = need * sliding.count(False) // len(sliding) + \
@@ -202,11 +200,7 @@ class Engine:
 
     def forget_prefixes(self):
         """Drop every cached block that no request holds: the next prompt is computed cold."""
-        blocks = self.blocks
-        while blocks.idle:
-            b, _ = blocks.idle.popitem(last=False)
-            blocks.forget(b)
-            blocks.fresh.append(b)
+        self.blocks.forget_idle()
 
     def graphs_ready(self) -> bool:
         """Whether the graphs compiled aside are ready; under tensor parallelism, on every rank, so
@@ -233,6 +227,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty():
             return self.land()
+        start = time.perf_counter()
         try:
             self.sampling_for(plan)
             if self.broadcast is not None:
@@ -250,6 +245,8 @@ class Engine:
             return True
         self.run_ahead(plan)
         self.postprocess(plan, *out)
+        if self.speculation is not None and not plan.chunks and len(plan.wants) == len(plan.rides):
+            self.speculation.timed(len(plan.rides), time.perf_counter() - start)  # its cost model's step times
         return True
 
     def land(self) -> bool:

@@ -395,7 +395,7 @@ def main(argv=None):
     check_sampling(sampling, config.vocab_size)
     max_seq_length = cache_length(args, config, prompts)
     if args.draft_checkpoint:
-        speculative.check_same_tokenizer(args.checkpoint, args.draft_checkpoint)
+        proposers.check_same_tokenizer(args.checkpoint, args.draft_checkpoint)
     engine = build_engine(args, tp, device, dtype, draft_dtype, len(prompts) if prompts else 1, max_seq_length,
                           memory_needs(args, prompts, max_seq_length, dtype, draft_dtype))
     engine.jump_forward = args.jump_forward

@@ -145,7 +145,8 @@ def add_speculation_args(p):
     p.add_argument("--speculate_tree", type=int, default=0, metavar="NODES",
                    help="with --suffix, --ngram or --staged: verify a tree of up to NODES candidates (several "
                         "likely continuations, --speculate_k deep) in each forward instead of one chain, and keep "
-                        "its longest accepted path (tree.py; a round that picks on the host keeps the chain)")
+                        "its longest accepted path (tree.py; a round that picks on the host keeps the chain); with "
+                        "--adaptive_k, of each tree the nodes that pay for their cost, or none (a plain step)")
     p.add_argument("--staged", action="store_true",
                    help="with --draft_checkpoint: staged speculative decoding (staged.py): the draft proposes a "
                         "tree, its chain plus its second choice where it is unsure (--speculate_tree nodes, "

@@ -13,7 +13,9 @@ Proposers:
   longest suffix seen earlier in the prompt, the output, or earlier calls' prompts and outputs,
   counted in a trie (suffix.py); it proposes nothing where no continuation is likely enough.
 """
+import json
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -333,3 +335,29 @@ class DraftProposer(Proposer):
         if self.threshold is not None:
             self.threshold.update(len(self.fed) + 1 - self.first_draft_slot, n)  # the last one was not fed
         del self.fed[self.first_draft_slot + n:]
+
+
+# ---------------------------------------------------------------- a draft's tokenizer
+
+def tokenizer_fingerprint(checkpoint_dir) -> tuple:
+    """What decides token ids: tokenizer.json's model (vocab, merges) and added tokens, or the
+    bytes of tokenizer.model. Two checkpoints can share a draft only when these are equal."""
+    directory = Path(checkpoint_dir)
+    if (directory / "tokenizer.json").is_file():
+        spec = json.loads((directory / "tokenizer.json").read_text())
+        added = sorted((t.get("id"), t.get("content")) for t in spec.get("added_tokens") or [])
+        return "tokenizer.json", json.dumps(spec.get("model"), sort_keys=True), added
+    if (directory / "tokenizer.model").is_file():
+        return "tokenizer.model", (directory / "tokenizer.model").read_bytes()
+    return None, None
+
+
+def check_same_tokenizer(target_dir, draft_dir):
+    if not Path(draft_dir).is_dir():
+        raise UserError(f"draft checkpoint directory {draft_dir} does not exist")
+    target, draft = tokenizer_fingerprint(target_dir), tokenizer_fingerprint(draft_dir)
+    if draft[0] is None:
+        raise UserError(f"draft checkpoint {draft_dir} has no tokenizer.json or tokenizer.model")
+    if target != draft:
+        raise UserError(f"the draft {draft_dir} and the target {target_dir} have different tokenizers; "
+                        "a draft must share the target's vocabulary")

@@ -55,8 +55,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", default=None, metavar="|".join(SERVED_PROPOSERS),
                    help="speculative decoding in the batched step: ngram (prompt lookup) or suffix (the most frequent "
                         "continuation in a trie of this and earlier requests' prompts and outputs); a request opts "
-                        "out with \"speculative\": false. Proposals shrink as more requests decode, to none from "
-                        "12 on (default: off)")
+                        "out with \"speculative\": false. Each step takes the proposal rows that pay for their cost, "
+                        "from the step's own times by its rows and each request's acceptance: many at one "
+                        "request, few or none as more decode (default: off)")
     p.add_argument("--speculate_k", type=int, default=8,
                    help="with --speculative: tokens a request proposes per step, at most (default: 8)")
     add_serve_running_args(p)

@@ -18,10 +18,17 @@ accepted, or none (a plain decoding step) when no count beats plain decoding.
 - c: one proposal's own cost (a draft model's step) in plain steps; n-gram and suffix lookups
   cost nothing next to a forward. A costly proposer that is not worth its cost is asked again
   only now and then (`Probe`: every 2, 4, 8 ... rounds while it keeps losing).
+- The server (speculation.py): `RowCosts`, its batched step's time by its rows, and `share_rows`,
+  each step's proposal rows per request (none where they do not pay), from each request's own
+  `Acceptance` shrunk toward the server's.
+- Trees (--speculate_tree): `TreePlanner` keeps the nodes of the proposer's tree that give the
+  most expected tokens per cost (`best_tree`), from `TreeAcceptance`'s rate per depth and sibling
+  rank and the StepCosts of a verify of that many tokens; none (a plain step) where no cut pays.
 - `ChainThreshold`: a draft model drafts until its chain's probability (the product of its
   probabilities of the tokens it chose) falls below a threshold that drops when its recent
   proposals were accepted and rises when they were not.
 """
+import heapq
 from typing import Optional
 
 MIN_GAIN = 1.02  # the estimates are noisy: a count must beat plain decoding by this to be chosen
@@ -107,20 +114,26 @@ class StepCosts:
 
 class Acceptance:
     """a_j = P(the j-th proposal is accepted | the ones before it were), j = 1 .. k, from decayed
-    counts, each position's shrunk toward the pooled rate where it has few observations."""
+    counts, each position's shrunk toward the pooled rate where it has few observations, or toward
+    a parent's rates (the server's: every request's rounds, a prior for a request's own)."""
 
-    def __init__(self, k: int):
-        self.tried, self.kept = [0.0] * k, [0.0] * k
+    def __init__(self, k: int, parent: Optional["Acceptance"] = None):
+        self.tried, self.kept, self.parent = [0.0] * k, [0.0] * k, parent
 
     def record(self, proposed: int, accepted: int):
         """A round of `proposed` proposals of which the first `accepted` were (or would have been) kept."""
         for j in range(min(accepted + 1, proposed)):  # positions after the first rejection were not tried
             self.tried[j] = self.tried[j] * DECAY + 1
             self.kept[j] = self.kept[j] * DECAY + (j < accepted)
+        if self.parent is not None:
+            self.parent.record(proposed, accepted)
 
     def rates(self) -> list:
-        pooled = (sum(self.kept) + PRIOR_RATE * PRIOR_WEIGHT) / (sum(self.tried) + PRIOR_WEIGHT)
-        return [(kept + pooled * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT) for kept, tried in zip(self.kept, self.tried)]
+        if self.parent is not None:
+            prior = self.parent.rates()
+        else:
+            prior = [(sum(self.kept) + PRIOR_RATE * PRIOR_WEIGHT) / (sum(self.tried) + PRIOR_WEIGHT)] * len(self.kept)
+        return [(kept + p * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT) for kept, tried, p in zip(self.kept, self.tried, prior)]
 
 
 class Shadow:
@@ -232,3 +245,187 @@ class RoundPlanner:
 
     def plain(self, seconds: float):
         self.costs.observe(0, seconds)
+
+
+# ---------------------------------------------------------------- the server's batched step
+
+class RowCosts:
+    """Seconds of the server's batched step by its rows (steps whose every row wants logits:
+    decoding and verify rows), as running means. A count not yet timed is interpolated between
+    timed ones; past the largest at the mean slope of the timed ones (at least PRIOR_PER_TOKEN of
+    a one-row step per row: optimistic, so that a larger step gets tried and timed)."""
+
+    def __init__(self):
+        self.seconds: dict = {}
+
+    def observe(self, rows: int, seconds: float):
+        old = self.seconds.get(rows)
+        if old is None and self.seconds:  # from the estimate: one slow first step condemns no count
+            old = self.curve(rows)[rows]
+        self.seconds[rows] = running_mean(old, seconds)
+
+    def curve(self, upto: int) -> list:
+        """t(0 .. upto), in seconds (in one-row steps while nothing is timed); t(r) never above t(r + 1)."""
+        timed = sorted(self.seconds.items())
+        if not timed:
+            return [1 + PRIOR_PER_TOKEN * (r - 1) for r in range(upto + 1)]
+        (r0, t0), (r1, t1) = timed[0], timed[-1]
+        least = PRIOR_PER_TOKEN * t0 / (1 + PRIOR_PER_TOKEN * max(r0 - 1, 0))
+        slope = max(least, (t1 - t0) / (r1 - r0) if r1 > r0 else 0.0)
+        out, i = [], 0
+        for r in range(max(upto, r1) + 1):  # (to the widest timed, which caps the narrower)
+            while i < len(timed) and timed[i][0] < r:
+                i += 1  # timed[i]: the first count timed at r or above
+            if i == len(timed):
+                out.append(t1 + slope * (r - r1))
+            elif timed[i][0] == r:
+                out.append(timed[i][1])
+            elif i == 0:
+                out.append(max(t0 - least * (r0 - r), least))
+            else:
+                (ra, ta), (rb, tb) = timed[i - 1], timed[i]
+                out.append(ta + (tb - ta) * (r - ra) / (rb - ra))
+        for r in range(len(out) - 2, -1, -1):
+            out[r] = min(out[r], out[r + 1])
+        return out[:upto + 1]
+
+
+def share_rows(base: int, rates: list, seconds: list, min_gain: float = MIN_GAIN) -> list:
+    """How many proposal rows each request gets in a step of `base` decoding rows: rates[i] are
+    request i's a_j for the proposals it has (or may have), seconds[r] the step's time with r rows
+    (as long as base plus every proposal). Rows go one at a time to the request whose next
+    proposal is likeliest to be accepted (the probability that it and those before it are: what it
+    adds to the expected tokens, never more than its previous one's), and the step takes the
+    number of rows whose expected tokens per second is highest, none unless that beats the base
+    step's `base` tokens by min_gain. At one request a verify of many rows costs little more than
+    a plain step; at many, each row costs what a token gives and none pay."""
+    given, heap = [0] * len(rates), [(-r[0], i) for i, r in enumerate(rates) if r]
+    heapq.heapify(heap)
+    order, tokens, best, best_gain = [], float(base), 0, min_gain * base / seconds[base]
+    while heap and base + len(order) + 1 < len(seconds):
+        gain, i = heapq.heappop(heap)  # (negated)
+        order.append(i)
+        given[i] += 1
+        tokens -= gain
+        if given[i] < len(rates[i]):
+            heapq.heappush(heap, (gain * rates[i][given[i]], i))
+        if tokens / seconds[base + len(order)] > best_gain:
+            best, best_gain = len(order), tokens / seconds[base + len(order)]
+    counts = [0] * len(rates)
+    for i in order[:best]:
+        counts[i] += 1
+    return counts
+
+
+# ---------------------------------------------------------------- trees (speculative.py --speculate_tree)
+
+RANKS = 3  # a node's children from the third on share the third's rate
+
+
+class TreeAcceptance:
+    """a[d][r] = P(the target's token after a node at depth d is its r-th child's | it is none of the
+    children before it), from decayed counts, each cell shrunk toward its rank's pooled rate."""
+
+    def __init__(self, depth: int):
+        self.tried = [[0.0] * RANKS for _ in range(depth)]
+        self.kept = [[0.0] * RANKS for _ in range(depth)]
+
+    def record(self, children: list, path: list):
+        """A verified tree (children[i]: node i's children in order) whose accepted nodes were path."""
+        for d, node in enumerate([0] + path[:len(self.tried) - 1]):
+            chosen = path[d] if d < len(path) else None
+            for r, child in enumerate(children[node]):  # children after the chosen one were not tried
+                cell = min(r, RANKS - 1)
+                self.tried[d][cell] = self.tried[d][cell] * DECAY + 1
+                self.kept[d][cell] = self.kept[d][cell] * DECAY + (child == chosen)
+                if child == chosen:
+                    break
+
+    def rates(self) -> list:
+        pooled = [(sum(k[r] for k in self.kept) + PRIOR_RATE * PRIOR_WEIGHT) /
+                  (sum(t[r] for t in self.tried) + PRIOR_WEIGHT) for r in range(RANKS)]
+        return [[(k + p * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT) for k, t, p in zip(kept, tried, pooled)]
+                for kept, tried in zip(self.kept, self.tried)]
+
+
+def grow_tree(children: list, rates: list) -> list:
+    """A tree's candidates in the order that adds the most expected tokens first, each with the
+    probability that the accepted path passes through it: [(node, probability)]. A node joins after
+    its parent and its elder siblings (its probability counts their rejection): E[tokens] of the
+    first n is 1 plus their probabilities (the path's nodes, then the target's own token)."""
+    out, heap = [], []
+
+    def offer(parent: int, rank: int, depth: int, reach: float, missed: float):
+        if rank < len(children[parent]) and depth < len(rates):
+            p = reach * missed * rates[depth][min(rank, RANKS - 1)]
+            heapq.heappush(heap, (-p, children[parent][rank], parent, rank, depth, reach, missed))
+    offer(0, 0, 0, 1.0, 1.0)
+    while heap:
+        p, node, parent, rank, depth, reach, missed = heapq.heappop(heap)
+        out.append((node, -p))
+        offer(node, 0, depth + 1, -p, 1.0)
+        offer(parent, rank + 1, depth, reach, missed * (1 - rates[depth][min(rank, RANKS - 1)]))
+    return out
+
+
+def best_tree(children: list, rates: list, costs: list, min_gain: float = MIN_GAIN) -> list:
+    """The candidates (node indices, ascending) of the proposer's tree to verify: the first n of
+    grow_tree's order with the most expected tokens per plain step of cost (costs[n] = f(n), a verify
+    of n candidates); [] (a plain step) unless that beats plain decoding by min_gain."""
+    grown = grow_tree(children, rates)[:len(costs) - 1]
+    tokens, best, best_gain = 1.0, 0, min_gain
+    for n, (_, p) in enumerate(grown, 1):
+        tokens += p
+        if tokens / costs[n] > best_gain:
+            best, best_gain = n, tokens / costs[n]
+    return sorted(node for node, _ in grown[:best])
+
+
+class TreeShadow:
+    """A tree that was not verified, checked against the tokens decoded after it (as `Shadow`)."""
+
+    def __init__(self):
+        self.children: Optional[list] = None
+
+    def watch(self, children: list, tokens: list, at: int):
+        """tokens[i]: node i's; its candidates at depth d are for position at + d - 1."""
+        if self.children is None:
+            self.children, self.tokens, self.at = children, tokens, at
+
+    def check(self, known: list, acceptance: TreeAcceptance):
+        if self.children is None:
+            return
+        node, path = 0, []
+        while self.children[node]:
+            if self.at + len(path) >= len(known):
+                return  # the token that decides is not decoded yet
+            follow = [c for c in self.children[node] if self.tokens[c] == known[self.at + len(path)]]
+            if not follow:
+                break
+            node = follow[0]
+            path.append(node)
+        acceptance.record(self.children, path)
+        self.children = None
+
+
+class TreePlanner:
+    """Each tree round's candidates for one SpeculativeEngine (--speculate_tree with --adaptive_k): of
+    the proposer's tree, the ones `best_tree` picks from the shared StepCosts and the per-depth
+    acceptance, or none (a plain step: the tree is watched instead), so that a tree round is never
+    expected to do worse than a chain of its likeliest branch or a plain step."""
+
+    def __init__(self, depth: int, costs: StepCosts):
+        self.costs, self.acceptance, self.shadow = costs, TreeAcceptance(depth), TreeShadow()
+
+    def choose(self, children: list, tokens: list, known: list) -> list:
+        """The nodes to verify of a tree after the sequence known (its root is known[-1])."""
+        self.shadow.check(known, self.acceptance)
+        nodes = best_tree(children, self.acceptance.rates(), self.costs.ratios())
+        if not nodes:
+            self.shadow.watch(children, tokens, len(known))
+        return nodes
+
+    def verified(self, children: list, path: list, seconds: float):
+        """A verify of the tree cut to what was chosen (children of its nodes) took seconds."""
+        self.costs.observe(len(children) - 1, seconds)
+        self.acceptance.record(children, path)

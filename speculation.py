@@ -15,25 +15,28 @@ Who speculates: a request that has not opted out (`speculative: false`) and whos
 by its Sampling alone: a grammar, logprobs, penalties or logit_bias, or a seed (its own random
 stream) run it without proposals, token by token as before.
 
-How many: each request's k follows speculative.next_k (twice as many after a block accepted whole,
-one more than were accepted after a rejection); a step holds at most STEP_VERIFY_ROWS rows less
-one per decoding request of proposals, shared out among the speculating ones. On 2 CPU cores a
-step of a few rows costs the weights' read, each row more a fraction of it; with many rows it
-computes, and a proposal row costs about what a token gives (benchmarks/serve-speculative.json).
+How many (spec_cost.py): each step the rows of proposals that give the most expected tokens per
+second of the step (`share_rows`), from the step's own times by its rows (`RowCosts`: a step of
+one request costs about the weights' read, each row more a fraction of it; with many rows it
+computes, and a row costs about what a token gives) and each request's acceptance per proposal
+position (its own, shrunk toward the server's): a lone request proposes many, a crowd few or
+none. A request given no rows is still asked now and then (every PROBE_EVERY steps), its
+proposals checked against the tokens decoded after them (`Shadow`), so that a proposer that
+starts being right again is noticed without paying a verify.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from torch import Tensor
 
 from errors import UserError
 from proposers import NgramProposer
-from speculative import ADAPTIVE_MIN_K, next_k, verify_on_host
+from spec_cost import Acceptance, RowCosts, Shadow, share_rows
+from speculative import verify_on_host
 from suffix import SuffixIndex
 
 KINDS = ("ngram", "suffix")
-# rows of proposals a step takes, less one per decoding request: none from this many streams on
-STEP_VERIFY_ROWS = 12
+PROBE_EVERY = 8  # a request given no rows is asked for proposals (watched, not verified) every this many steps
 NGRAM_MAX_N = 3  # prompt lookup matches the last 3 tokens, then 2, then 1 (generate.py --ngram 3)
 
 
@@ -67,8 +70,10 @@ class SharedSuffixIndex(SuffixIndex):
 
 @dataclass(eq=False)
 class Speculating:
-    """A request's proposer state: its k, and its n-gram index or its sequence in the suffix trie."""
-    k: int
+    """A request's proposer state: its acceptance, its n-gram index or its sequence in the suffix trie."""
+    acceptance: Acceptance
+    shadow: Shadow = field(default_factory=Shadow)  # proposals it made without rows
+    idle: int = 0  # steps since it was last asked for proposals
     ngram: Optional[NgramProposer] = None
     sequence: Optional[list] = None
 
@@ -85,6 +90,9 @@ class Speculation:
         self.kind, self.k_max = kind, k_max
         self.suffix = SharedSuffixIndex() if kind == "suffix" else None
         self.states: dict = {}  # request -> Speculating
+        self.acceptance = Acceptance(k_max)  # every request's rounds: the prior of each one's own
+        self.row_costs = RowCosts()
+        self.max_rows: Optional[int] = None  # the widest step the engine runs without compiling (warmup.widest_rows)
         self.proposed = self.accepted = self.verifies = 0
 
     @staticmethod
@@ -94,28 +102,46 @@ class Speculation:
         return (req.speculative and req.constraint is None and req.logprobs is None and req.generator is None
                 and (s is None or not s.adjusts))
 
+    def timed(self, rows: int, seconds: float):
+        """A step of this many rows, each wanting its logits, took seconds (Engine.step)."""
+        self.row_costs.observe(rows, seconds)
+
     def propose(self, decoding: list) -> dict:
-        """The proposals (request -> ids) of the step's decoding requests that speculate, within
-        the step's rows of proposals and each one's remaining tokens."""
+        """The proposals (request -> ids) of the step's decoding requests that speculate, as many
+        as share_rows gives each (asked of those it hopes to give rows, and of the idle now and then)."""
         taking = [r for r in decoding if self.takes(r)]
-        rows = STEP_VERIFY_ROWS - len(decoding)
-        if not taking or rows <= 0:
+        if not taking:
             return {}
-        share, out = max(1, rows // len(taking)), {}
-        for req in taking[:rows]:
-            state = self.states.get(req) or self.start(req)
-            k = min(state.k, share, req.max_new_tokens - len(req.out) - 1)
-            if k < 1:
-                continue
-            context = req.known()
-            drafts = (state.ngram.propose(context, k, req.sampling)[0] if state.ngram is not None
-                      else self.suffix.propose(state.sequence, context, k))
-            if drafts:
-                out[req] = drafts
+        states = [self.states.get(r) or self.start(r) for r in taking]
+        caps = [max(0, min(self.k_max, r.max_new_tokens - len(r.out) - 1)) for r in taking]
+        widest = len(decoding) + sum(caps)
+        seconds = self.row_costs.curve(widest if self.max_rows is None else max(min(widest, self.max_rows), len(decoding)))
+        rates = []
+        for req, state, cap in zip(taking, states, caps):
+            state.shadow.check(req.known(), state.acceptance)
+            rates.append(state.acceptance.rates()[:cap])
+        drafts = []
+        for req, state, cap, hoped in zip(taking, states, caps, share_rows(len(decoding), rates, seconds)):
+            state.idle += 1
+            asked = cap > 0 and (hoped > 0 or state.idle >= PROBE_EVERY)
+            drafts.append(self.drafts(req, state, cap) if asked else [])
+            state.idle = 0 if asked else state.idle
+        out = {}
+        counts = share_rows(len(decoding), [r[:len(d)] for r, d in zip(rates, drafts)], seconds)
+        for req, state, d, n in zip(taking, states, drafts, counts):
+            if n:
+                out[req] = d[:n]
+            elif d:
+                state.shadow.watch(d, len(req.known()))
         return out
 
+    def drafts(self, req, state: Speculating, k: int) -> list:
+        context = req.known()
+        return (state.ngram.propose(context, k, req.sampling)[0] if state.ngram is not None
+                else self.suffix.propose(state.sequence, context, k))
+
     def start(self, req) -> Speculating:
-        state = Speculating(min(ADAPTIVE_MIN_K, self.k_max))
+        state = Speculating(Acceptance(self.k_max, parent=self.acceptance))
         if self.suffix is not None:
             state.sequence = self.suffix.open()
         else:
@@ -127,8 +153,7 @@ class Speculation:
         """A verify's new tokens from the target's logits (1 + m, V) over [last token, d_1 .. d_m]:
         the accepted proposals, then the target's own token."""
         n, token = verify_on_host(logits.float(), drafts, None, req.sampling)
-        state = self.states[req]
-        state.k = next_k(state.k, n, len(drafts), self.k_max)
+        self.states[req].acceptance.record(len(drafts), n)
         self.verifies, self.proposed, self.accepted = self.verifies + 1, self.proposed + len(drafts), self.accepted + n
         return drafts[:n] + [token]
 

@@ -24,7 +24,9 @@ NODES candidates (several continuations, k deep) goes through the target in one 
 node attending to its ancestors only; the longest accepted path is kept (greedy: the argmax's
 child at each node; sampling: recursive rejection sampling over a node's children, exact for
 point masses and for a draft's draws, whose q the tree carries), and its keys and values are
-moved to the positions it takes in the sequence.
+moved to the positions it takes in the sequence. With --adaptive_k a round verifies the part of the
+tree that gives the most expected tokens per unit of time, or none (a plain step):
+spec_cost.TreePlanner, from the same StepCosts as chains and the acceptance per depth and sibling rank.
 
 Structured output, penalties, logit_bias, logprobs (`speculative_decode_host`): the verify
 returns logits and tokens are picked on the host, as `Engine.generate` picks them (penalties and
@@ -54,11 +56,9 @@ keeps the accepted ones): their slots are written again later. Nothing is rewoun
 
 Batch size 1 only: rows of a batch accept different numbers of tokens; larger batches are refused.
 """
-import json
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -74,7 +74,7 @@ from proposers import Proposer, common_prefix
 from rope import recompute_position
 from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample, sample_probs, token_logprobs
 from scheduler import Request, StepPlan
-from spec_cost import RoundPlanner, StepCosts
+from spec_cost import RoundPlanner, StepCosts, TreePlanner
 from tree import Tree, compact, greedy_path, path_slots, sampled_path
 
 
@@ -189,22 +189,7 @@ def build_block(drafts: list, constraint, masks: Optional[Tensor], stop: set, li
     return block, choices, bonus
 
 
-# ---------------------------------------------------------------- a simpler adaptive k
-
-ADAPTIVE_MIN_K = 2
-
-
-def next_k(k: int, accepted: int, proposed: int, k_max: int) -> int:
-    """How many tokens to propose next round, from this round's outcome alone, where no cost model
-    runs (SpeculativeEngine plans with spec_cost.RoundPlanner): after a
-    block accepted whole, twice as many (up to k_max); after a rejection, one more than were
-    accepted, at least ADAPTIVE_MIN_K. Proposals tend to come in runs: a proposer that is
-    copying a passage keeps being right, one that guesses keeps being wrong, and a wrong guess
-    is cheaper to check when it is short."""
-    if accepted == proposed:
-        return min(k_max, 2 * k)
-    return min(k_max, max(ADAPTIVE_MIN_K, accepted + 1))
-
+# ---------------------------------------------------------------- the tree verify
 
 def tree_plans(engine: Engine, nodes: int) -> list:
     """Steps that compile the verify of a tree (warmup.chunk_plans' graph with a tree mask), in two
@@ -246,8 +231,9 @@ class SpeculativeEngine:
         self.engine, self.proposer, self.k, self.adaptive = engine, proposer, k, adaptive
         self.model, self.device, self.compiled = engine.model, engine.device, compile
         self.max_seq_length = engine.max_seq_length
-        self.costs = StepCosts(k)  # a verify's cost per proposal count, kept across calls
+        self.costs = StepCosts(max(k, tree_nodes))  # a verify's cost per proposal count, kept across calls
         self.planner = RoundPlanner(k, proposer.cheap, self.costs)
+        self.tree_planner = TreePlanner(k, self.costs)
         self.jump_forward = True  # feed the tokens a grammar forces with the next block (False: picked one by one)
         self.tree_nodes = tree_nodes  # > 0: each round verifies a tree of up to this many candidates, k deep
         proposer.setup(engine.max_seq_length)
@@ -296,6 +282,7 @@ class SpeculativeEngine:
                           k=self.k, histogram=[0] * (self.k + 1))
         draft_forwards_before, eager = self.proposer.forwards, self.engine.eager_steps
         self.planner = RoundPlanner(self.k, self.proposer.cheap, self.costs)
+        self.tree_planner = TreePlanner(self.k, self.costs)
         self.proposer.adapt(self.adaptive)
         start = time.perf_counter()
         scheduler = self.engine.scheduler
@@ -436,21 +423,27 @@ class SpeculativeEngine:
     def speculative_tree_decode(self, row: Request, budget: int, stop: set, stats: "SpecStats") -> list:
         """One round over a tree of candidates (tree.py): the proposer's tree, at most tree_nodes
         candidates and k deep, in one target forward; the longest accepted path's keys and values
-        move to the positions it takes (tree.compact). Returns as speculative_decode."""
+        move to the positions it takes (tree.compact); with --adaptive_k, of it the nodes the
+        TreePlanner picks (none: a plain step). Returns as speculative_decode."""
         sampling, context, engine = row.sampling, row.known(), self.engine
         room = self.max_seq_length - row.fed - 1  # slots after the last token
         nodes = min(self.tree_nodes, room)
         candidates = self.proposer.propose_tree(context, nodes, min(self.k, budget - 1)) \
             if budget > 1 and nodes > 0 else None
+        if self.adaptive and candidates is not None and len(candidates) > 1:
+            candidates = candidates.subtree(self.tree_planner.choose(candidates.children(), candidates.tokens, context))
         stats.target_forwards += 1
         if candidates is None or len(candidates) < 2:  # nothing to check: a plain decoding step
             stats.plain_steps += 1
             return [self.plain_step(row)]
+        began = time.perf_counter()
         target = target_picks(engine.feed(row, candidates.tokens, every=True, tree=candidates), sampling)
         if sampling.temperature == 0:
             path, next_token = greedy_path(candidates, target.tolist())
         else:
             path, next_token = sampled_path(candidates, target)
+        if self.adaptive:
+            self.tree_planner.verified(candidates.children(), path, time.perf_counter() - began)
         self.compact_path(row, path)
         stats.histogram[len(path)] += 1
         stats.proposed += len(candidates) - 1
@@ -562,29 +555,3 @@ def stamp(times: list, n: int, now: float):
     else:
         last = times[-1]
         times.extend(last + (now - last) * (i + 1) / n for i in range(n))
-
-
-# ---------------------------------------------------------------- checks
-
-def tokenizer_fingerprint(checkpoint_dir) -> tuple:
-    """What decides token ids: tokenizer.json's model (vocab, merges) and added tokens, or the
-    bytes of tokenizer.model. Two checkpoints can share a draft only when these are equal."""
-    directory = Path(checkpoint_dir)
-    if (directory / "tokenizer.json").is_file():
-        spec = json.loads((directory / "tokenizer.json").read_text())
-        added = sorted((t.get("id"), t.get("content")) for t in spec.get("added_tokens") or [])
-        return "tokenizer.json", json.dumps(spec.get("model"), sort_keys=True), added
-    if (directory / "tokenizer.model").is_file():
-        return "tokenizer.model", (directory / "tokenizer.model").read_bytes()
-    return None, None
-
-
-def check_same_tokenizer(target_dir, draft_dir):
-    if not Path(draft_dir).is_dir():
-        raise UserError(f"draft checkpoint directory {draft_dir} does not exist")
-    target, draft = tokenizer_fingerprint(target_dir), tokenizer_fingerprint(draft_dir)
-    if draft[0] is None:
-        raise UserError(f"draft checkpoint {draft_dir} has no tokenizer.json or tokenizer.model")
-    if target != draft:
-        raise UserError(f"the draft {draft_dir} and the target {target_dir} have different tokenizers; "
-                        "a draft must share the target's vocabulary")

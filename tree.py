@@ -50,6 +50,13 @@ class Tree:
                 node = index[node, token]
         return cls(tokens, parents)
 
+    def subtree(self, nodes: list) -> "Tree":
+        """The root and `nodes` (ascending, each one's parent among them or the root), renumbered."""
+        kept = [0] + nodes
+        index = {node: i for i, node in enumerate(kept)}
+        return Tree([self.tokens[n] for n in kept], [-1] + [index[self.parents[n]] for n in nodes],
+                    None if self.q is None else self.q[kept])
+
     def __len__(self) -> int:
         return len(self.tokens)
 

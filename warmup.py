@@ -108,6 +108,18 @@ def serve_plans(engine) -> list:
     return plans + chunk_plans(engine, THRESHOLDS.attend_max_queries)  # a prompt's few tokens after cached blocks
 
 
+def widest_rows(engine) -> Optional[int]:
+    """The most rows a step may take (verify rows beside decoding ones) without a shape that
+    serve_plans did not compile: on CUDA its widest power of two; on CPU, fewer than make the float
+    products change kernels, unless as many streams compiled those; None when eager (any will do)."""
+    if engine.pad_rows:
+        return engine.step_width(engine.max_batch_size)
+    wide = kernels.compiled_onednn_min_tokens(engine.model.norm.weight.dtype)
+    if engine.rides is forward_rides or engine.max_batch_size >= wide:
+        return None
+    return max(engine.max_batch_size, wide - 1)
+
+
 def compile_now(engine, plans: list, then: Optional[Callable] = None):
     """Run the plans (and then(): a draft's step) before anything else, under tensor parallelism
     sending each to the ranks that follow."""

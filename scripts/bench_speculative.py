@@ -205,7 +205,7 @@ def proposer_name(case: dict, args) -> str:
 def load_target(case: dict) -> tuple:
     """(tokenizer, target model, stop ids)."""
     if case["draft"]:
-        speculative.check_same_tokenizer(CHECKPOINTS / case["target"], CHECKPOINTS / case["draft"])
+        proposers.check_same_tokenizer(CHECKPOINTS / case["target"], CHECKPOINTS / case["draft"])
     tokenizer = Tokenizer(CHECKPOINTS / case["target"])
     target = load_model(CHECKPOINTS / case["target"])
     return tokenizer, target, sorted(set(target.args.eos_token_ids) | set(tokenizer.eos_ids))

@@ -119,19 +119,30 @@ def test_speculating_requests_survive_preemption():
     assert [r.out for r in reqs] == want
 
 
-def test_proposals_stop_at_many_streams():
-    """The step's rows of proposals shrink as requests decode beside each other: none from
-    STEP_VERIFY_ROWS streams on."""
-    from speculation import STEP_VERIFY_ROWS
+def test_proposal_rows_follow_the_step_costs():
+    """The cost model shares out the step's rows: a lone request, whose step costs little more
+    with a few rows, proposes as many as its acceptance pays for (3 from the prior, all 8 once
+    proposals are accepted); sixteen, whose step costs a token's time per row, propose none."""
     spec = Speculation("ngram", k_max=8)
-    reqs = [Request([1, 2, 3, 1, 2, 3, 1, 2], 50) for _ in range(STEP_VERIFY_ROWS)]
-    for r in reqs:
-        r.sampling = Sampling()
-    assert sum(map(len, spec.propose(reqs[:1]).values())) == 2  # k starts at 2
-    spec.states[reqs[0]].k = 8
+    reqs = [Request([1, 2, 3, 1, 2, 3, 1, 2], 50, sampling=Sampling()) for _ in range(16)]
+    spec.row_costs.seconds.update({rows: 0.1 * (1 + 0.05 * (rows - 1)) for rows in range(1, 10)})
+    assert sum(map(len, spec.propose(reqs[:1]).values())) == 3
+    for _ in range(20):
+        spec.acceptance.record(8, 8)
     assert sum(map(len, spec.propose(reqs[:1]).values())) == 8
-    assert sum(map(len, spec.propose(reqs[:4]).values())) <= STEP_VERIFY_ROWS - 4
+    spec.row_costs.seconds.update({rows: 0.1 * rows for rows in range(10, 40)})
     assert spec.propose(reqs) == {}
+    spec.max_rows = 3  # no wider than the engine's widest step (CUDA graphs)
+    assert sum(map(len, spec.propose(reqs[:1]).values())) == 2
+
+
+def test_verify_rows_stay_within_the_compiled_shapes():
+    """A compiled CPU step of fewer streams than make the float products change kernels takes no
+    more rows than that (a wider one would compile while serving); an eager one any number."""
+    model = random_model(device=TEST_DEVICE)
+    assert serving(copy.deepcopy(model), 4, 64, speculation=Speculation("ngram")).speculation.max_rows is None
+    compiled = serving(copy.deepcopy(model), 4, 64, speculation=Speculation("ngram"), compile=True, pad_rows=False)
+    assert compiled.speculation.max_rows == kernels.compiled_onednn_min_tokens(torch.float32) - 1
 
 
 def test_suffix_store_learns_from_earlier_requests():
@@ -141,7 +152,7 @@ def test_suffix_store_learns_from_earlier_requests():
     done.out = [9, 10, 11, 12, 13, 14]
     spec.finish(done)
     later = Request([40, 41, 7, 9, 10], 8, sampling=Sampling())
-    assert spec.propose([later]) == {later: [11, 12]}
+    assert spec.propose([later]) == {later: [11, 12, 13]}  # (3: what the cost model's priors pay for)
 
 
 def last_logits(engine: Engine, tokens: list) -> torch.Tensor:

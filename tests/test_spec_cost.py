@@ -1,5 +1,6 @@
 """The speculation cost model (spec_cost.py): each round's proposal count from what a verify costs
-and how often proposals are accepted, none where plain decoding is faster; threshold drafting."""
+and how often proposals are accepted, none where plain decoding is faster; the server's rows per
+request by its step's cost per row; a tree's nodes; threshold drafting."""
 import pytest
 import torch
 
@@ -8,9 +9,11 @@ from conftest import TEST_DEVICE, random_model
 from engine import Engine
 from proposers import DraftProposer
 from sampling import Sampling
-from spec_cost import Acceptance, ChainThreshold, Probe, Shadow, StepCosts, best_count, expected_tokens
+from spec_cost import (Acceptance, ChainThreshold, Probe, RowCosts, Shadow, StepCosts, TreeAcceptance, TreeShadow,
+                       best_count, best_tree, expected_tokens, grow_tree, share_rows)
 from speculative import SpeculativeEngine
 from test_speculative import PROMPTS, ScriptedProposer, noisy_copy, plain_greedy, sharpened
+from tree import Tree
 
 
 # ---------------------------------------------------------------- decisions, plain Python
@@ -90,6 +93,94 @@ def test_shadow_records_what_would_have_been_accepted():
     assert shadow.drafts and sum(acceptance.tried) == 0  # 2 matched so far: not resolved yet
     shadow.check(known + [5], acceptance)
     assert not shadow.drafts and acceptance.tried[:3] == [1, 1, 1] and acceptance.kept[:3] == [1, 1, 0]
+
+
+def test_a_requests_acceptance_starts_from_the_servers():
+    server = Acceptance(3)
+    for _ in range(20):
+        server.record(3, 3)
+    request = Acceptance(3, parent=server)
+    assert request.rates() == pytest.approx(server.rates()) and min(server.rates()) > 0.9
+    for _ in range(20):
+        request.record(3, 0)  # its own rounds outweigh the prior, and reach the server's counts too
+    assert request.rates()[0] < 0.1 and server.rates()[0] < 0.2
+
+
+# ---------------------------------------------------------------- the server's rows, plain Python
+
+def test_row_costs_interpolate_extrapolate_and_never_fall_with_more_rows():
+    costs = RowCosts()
+    assert costs.curve(3) == pytest.approx([0.95, 1.0, 1.05, 1.1])  # nothing timed: the prior, in one-row steps
+    costs.seconds.update({2: 0.10, 4: 0.12, 8: 0.20})
+    t = costs.curve(10)
+    assert t[2:9] == pytest.approx([0.10, 0.11, 0.12, 0.14, 0.16, 0.18, 0.20])
+    assert t[10] == pytest.approx(0.20 + 2 * 0.10 / 6)  # past the last: the timed ones' mean slope
+    assert t[1] == pytest.approx(0.10 - 0.05 * 0.10 / 1.05)  # before the first: PRIOR_PER_TOKEN of a one-row step per row
+    costs.seconds[5] = 0.50  # a slow outlier: a wider step's time overrules it
+    assert costs.curve(10)[5] == pytest.approx(costs.curve(10)[8])
+    costs.observe(6, 10.0)  # a first step of 6 rows 60x slower: it moves the estimate by a fifth
+    assert costs.seconds[6] == pytest.approx(0.20 * 1.2)
+
+
+def test_share_rows_gives_a_lone_request_many_and_a_crowd_none():
+    cheap = [0.1 * (1 + 0.05 * (r - 1)) for r in range(40)]  # the weights' read: rows nearly free
+    assert share_rows(1, [[0.9] * 8], cheap) == [8]
+    assert share_rows(1, [[0.5] * 8], cheap) == [3]  # E 1.875 over f 1.15: the best of 1 .. 8
+    dear = [0.1 * r for r in range(40)]  # computing: a row costs what a token gives
+    assert share_rows(16, [[0.9] * 8] * 16, dear) == [0] * 16
+    assert share_rows(1, [[0.0] * 8], cheap) == [0]  # nothing accepted: nothing gained
+    assert share_rows(1, [[]], cheap) == [0]  # no proposals
+
+
+def test_share_rows_prefers_the_likelier_proposals():
+    mid = [0.1 * (1 + 0.25 * (r - 1)) for r in range(40)]
+    counts = share_rows(4, [[0.95] * 8, [0.3] * 8, [0.95] * 2, []], mid)
+    assert counts[0] > counts[1] and counts[2] == 2 and counts[3] == 0, counts
+    assert share_rows(2, [[0.95] * 8, [0.95] * 8], mid[:7]) == [2, 2]  # no wider than the costs known (max_rows)
+
+
+# ---------------------------------------------------------------- trees, plain Python
+
+def test_tree_acceptance_counts_the_children_tried():
+    #   root -> 1 (-> 3), 2 (-> 4 -> 5): the path 2, 4 was accepted, then the target went elsewhere
+    children = Tree([0, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 2, 4]).children()
+    acceptance = TreeAcceptance(4)
+    acceptance.record(children, [2, 4])
+    assert acceptance.tried[0][:2] == [1, 1] and acceptance.kept[0][:2] == [0, 1]  # 1 rejected, then 2 kept
+    assert acceptance.tried[1][0] == 1 and acceptance.kept[1][0] == 1  # 4, 2's only child
+    assert acceptance.tried[2][0] == 1 and acceptance.kept[2][0] == 0  # 5 rejected
+    assert acceptance.tried[3] == [0, 0, 0]
+
+
+def test_grow_tree_orders_nodes_by_their_chance_of_being_on_the_path():
+    children = Tree([0, 1, 2, 3, 4], [-1, 0, 0, 1, 2]).children()
+    grown = grow_tree(children, [[0.5, 0.8, 0.5], [0.9, 0.5, 0.5]])
+    # 1: 0.5; its child 3: 0.45; 2 (after 1 rejected): 0.5 * 0.8 = 0.4; 4: 0.36
+    assert [n for n, _ in grown] == [1, 3, 2, 4]
+    assert [p for _, p in grown] == pytest.approx([0.5, 0.45, 0.4, 0.36])
+    assert [n for n, _ in grow_tree(children, [[0.5, 0.8, 0.5]])] == [1, 2]  # no deeper than the rates
+
+
+def test_best_tree_cuts_to_what_pays_and_to_nothing():
+    children = Tree.from_paths(0, [[1, 2, 3, 4], [5, 6], [7]]).children()
+    rates = [[0.9, 0.5, 0.5]] * 4
+    assert best_tree(children, rates, [1.0] * 8) == [1, 2, 3, 4, 5, 6, 7]  # a free verify: every node adds
+    cheap = [1 + 0.02 * n for n in range(8)]
+    assert best_tree(children, rates, cheap) == [1, 2, 3, 4]  # the likeliest chain; its siblings add too little
+    steep = [1 + 0.6 * n for n in range(8)]
+    assert best_tree(children, rates, steep) == [1, 2]  # gains 1.19, 1.23, 1.228, 1.20
+    assert best_tree(children, [[0.05, 0.05, 0.05]] * 4, steep) == []  # a plain step
+    assert best_tree(children, rates, cheap[:3]) == [1, 2]  # no more nodes than the costs cover
+
+
+def test_tree_shadow_records_the_path_the_tokens_took():
+    tree = Tree.from_paths(9, [[1, 2], [3, 4]])
+    acceptance, shadow = TreeAcceptance(3), TreeShadow()
+    shadow.watch(tree.children(), tree.tokens, at=5)
+    shadow.check([0, 0, 0, 0, 9, 3], acceptance)
+    assert shadow.children is not None  # 3 matched; the token after it is not decoded yet
+    shadow.check([0, 0, 0, 0, 9, 3, 8], acceptance)
+    assert shadow.children is None and acceptance.kept[0][:2] == [0, 1] and acceptance.tried[1][0] == 1
 
 
 def test_probe_backs_off_while_losing():
@@ -186,3 +277,32 @@ def test_threshold_drafting_through_the_engine_is_token_identical(fixed_costs, m
         assert out == expected, prompt
         verifies = sum(stats.histogram)
         assert stats.plain_steps <= 1 and 1 < stats.proposed / verifies < 6, stats  # (the last token: a plain step)
+
+
+class WrongThenRightTrees(ScriptedProposer):
+    """Trees of two branches: a wrong one first, then the target's own tokens from `wrong_until`
+    on (wrong before), so that the path runs through the root's second child."""
+
+    def __init__(self, full, vocab, wrong_until):
+        super().__init__(full, vocab)
+        self.wrong_until = wrong_until
+
+    def propose_tree(self, context, nodes, depth):
+        truth = self.full[len(context):len(context) + depth]
+        wrong = [(t + 1) % self.vocab for t in truth]
+        second = truth if len(context) >= self.wrong_until else [(t + 2) % self.vocab for t in truth]
+        tree = Tree.from_paths(context[-1], [wrong, second])
+        return tree.subtree(list(range(1, min(nodes + 1, len(tree)))))
+
+
+def test_tree_rounds_plain_while_trees_lose_and_verify_once_they_win(fixed_costs):
+    target = random_model(seed=0, device=TEST_DEVICE)
+    prompt = PROMPTS[1]
+    expected = plain_greedy(target, prompt, 100)
+    proposer = WrongThenRightTrees(prompt + expected, 256, wrong_until=len(prompt) + 30)
+    spec = SpeculativeEngine(Engine(target, 1, 160), proposer, 4, tree_nodes=10)
+    spec.costs = fixed_costs(10)
+    (out,), stats = spec.generate([prompt], 100, Sampling())
+    assert out == expected
+    assert 1 <= stats.histogram[0] <= 4 and 25 <= stats.plain_steps <= 35, stats  # the shadow sees them lose
+    assert stats.histogram[4] >= 8, stats.histogram  # then whole paths through the second child

@@ -359,14 +359,6 @@ def test_compiled_aside_drafts_eagerly_then_takes_the_graphs_up(target, host):
     assert eager == out == expected and sum(stats.histogram[1:]) > 0  # the restarted draft still proposes well
 
 
-def test_next_k_grows_after_full_blocks_and_shrinks_after_rejections():
-    from speculative import next_k
-    assert next_k(2, 2, 2, 8) == 4 and next_k(3, 3, 3, 8) == 6 and next_k(6, 6, 6, 8) == 8 and next_k(8, 8, 8, 8) == 8
-    assert next_k(8, 0, 8, 8) == 2 and next_k(8, 2, 8, 8) == 3 and next_k(8, 5, 8, 8) == 6 and next_k(8, 7, 8, 8) == 8
-    assert next_k(2, 2, 2, 2) == 2 and next_k(2, 0, 2, 2) == 2 and next_k(1, 0, 1, 1) == 1  # never above k_max
-    assert next_k(4, 1, 1, 8) == 8  # a short proposal accepted whole (the proposer had no more) counts as full
-
-
 # ---------------------------------------------------------------- sampling
 
 V = 8  # small enough to enumerate every 3-token continuation
