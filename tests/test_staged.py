@@ -63,12 +63,16 @@ def test_staged_greedy_is_token_identical(draft, lookup, monkeypatch):
     paths = recorded_paths(monkeypatch)
     for prompt in PROMPTS:
         expected = plain_greedy(target, prompt, 40)
-        spec = staged_engine(target, drafts[draft], lookup=lookup, branch_below=ALWAYS)
-        (out,), stats = spec.generate([prompt], 40, Sampling())
-        assert out == expected, prompt
-        assert stats.draft_forwards > 0
-        if draft == "target":  # the draft's cache stays the target's: its chains are kept
-            assert spec.metrics(stats)["tokens_per_target_forward"] > 2.5
+        for adaptive in (True, False):  # the cost model's cut of each tree, then whole trees
+            seen = len(paths)
+            spec = staged_engine(target, drafts[draft], lookup=lookup, branch_below=ALWAYS, adaptive=adaptive)
+            (out,), stats = spec.generate([prompt], 40, Sampling())
+            assert out == expected, (prompt, adaptive)
+            assert stats.draft_forwards > 0
+            if adaptive:  # a cut tree need not keep a sibling at every depth
+                del paths[seen:]
+            elif draft == "target":  # the draft's cache stays the target's: its chains are kept
+                assert spec.metrics(stats)["tokens_per_target_forward"] > 2.5
     assert all(len(tree) == 1 + 2 * max(tree.depths) for tree, _ in paths)  # a sibling at every depth
     if draft == "noisy":
         assert any(through_a_sibling(tree, path) for tree, path in paths)
