@@ -49,7 +49,7 @@ serve: $(MODEL)/config.json
 	$(BIN)/python serve.py --checkpoint $(MODEL)
 
 test: $(VENV)/.installed-test $(MODEL)/config.json
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-slow: $(VENV)/.installed-slow $(MODEL)/config.json
 	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile

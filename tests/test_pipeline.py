@@ -211,7 +211,8 @@ def test_decoding_groups_step_in_flight_and_give_lockstep_tokens():
     assert len(stats.token_times) == 8  # a time a round: the first token, then 7 rounds of both groups
 
 
-@pytest.mark.parametrize("ckpt", ["float32", "int8"])
+# int8 under decoding groups in make test-slow: the default suite's pp int8 tests run lockstep
+@pytest.mark.parametrize("ckpt", ["float32", pytest.param("int8", marks=pytest.mark.slow)])
 def test_pp2_decoding_groups_text_is_single_process_text(smollm2_dir, ckpt, request):
     """Four prompts decoded in two groups of two (--pp_groups defaults to the stages): each stage runs
     one group's step while the other runs the other's, and every row prints one process's text."""
