@@ -122,6 +122,10 @@ def compile_step(fn: Callable, model: Transformer, compile_mode: str = "default"
     if compile_mode not in COMPILE_MODES:
         raise UserError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, not {compile_mode!r}")
     tag_compile_cache()
+    # a model's float constants (a soft-cap, a scale) stay constants: one that differs between two
+    # models of a process (a target and its draft) otherwise becomes a graph input after a
+    # recompile, which a compiled region cannot take
+    torch._dynamo.config.specialize_float = True
     if compile_mode == "regional":
         # static shapes unless the caller says otherwise: in torch 2.13 a region reused in a graph
         # made dynamic by a later recompile can fail to trace

@@ -400,7 +400,11 @@ class Engine:
         for req, (tokens, _, _, *_) in zip(plan.chunk_requests, plan.chunks):
             fed[req] += len(tokens)
         verified = self.verify(plan, rides_out, fed)
-        ready = [(req, rides_out[j]) for j, i in enumerate(plan.wants) if (req := plan.requests[i]) not in plan.verifies]
+        ridden = [(req, j) for j, i in enumerate(plan.wants) if (req := plan.requests[i]) not in plan.verifies]
+        if plan.sampling is not None:  # sampled in the step, which had no chunks: rides_out holds tokens
+            sampled = {req: t for (req, _), t in zip(ridden, rides_out.view(-1).tolist())}
+            return self.scheduler.postprocess(plan, fed, sampled, verified)
+        ready = [(req, rides_out[j]) for req, j in ridden]
         for req, (tokens, start, _, *every), logits in zip(plan.chunk_requests, plan.chunks, chunks_out):
             if every and every[0]:  # a prompt scored for its logprobs: every token's logits (T, V)
                 score_prompt(req, start, len(tokens), logits)
@@ -408,9 +412,7 @@ class Engine:
             if start + len(tokens) == len(req.known()):
                 ready.append((req, logits))
         sampled = {}
-        if ready and getattr(plan, "sampling", None) is not None:
-            sampled = {req: int(t) for (req, _), t in zip(ready, rides_out.view(-1).tolist())}
-        elif ready:
+        if ready:
             try:
                 ids = pick_tokens(torch.stack([logits for _, logits in ready]), [r for r, _ in ready])
                 sampled = {req: token for (req, _), token in zip(ready, ids)}

@@ -23,11 +23,15 @@ def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_s
                   logit_rows: Tensor, sampling: Optional[StepSampling] = None, mask: Optional[Tensor] = None,
                   **views) -> Tensor:
     """One token a row (W, 1) at its position (W, 1), reading its keys up to kv_len through its block
-    table (views: ForwardBatch's slots and block_table, and a mixed model's window_slots and
-    window_table): the logits (L, V) of rows logit_rows (L,), or with sampling their next tokens
-    (L, 1); mask (L, ceil(V / 32)): the tokens a grammar allows. Under pipeline parallelism, this
-    stage's result: the engine shares the last stage's after the step (shared), where it can leave
-    the exchange in flight."""
+    table (views: block_table, and a mixed model's window_table): the logits (L, V) of rows
+    logit_rows (L,), or with sampling their next tokens (L, 1); mask (L, ceil(V / 32)): the tokens a
+    grammar allows. Under pipeline parallelism, this stage's result: the engine shares the last
+    stage's after the step (shared), where it can leave the exchange in flight."""
+    # each token's slot from its table, in the graph: eager ops between steps cost ~40 us each here,
+    # the caches cold after the weights streamed through them
+    for table, slots in (("block_table", "slots"), ("window_table", "window_slots")):
+        if table in views:
+            views[slots] = views[table].gather(1, positions // block_size) * block_size + positions % block_size
     batch = ForwardBatch(positions, block_size=block_size, kv_len=kv_len, logit_rows=logit_rows, **views)
     logits = model(tokens, batch)[:, -1]  # (L, V)
     if mask is not None:
@@ -81,7 +85,7 @@ class Rides:
     positions: list  # their positions (host)
     tables: list  # their block tables (host), each (blocks, window blocks)
     kv_len: int
-    inputs: dict  # tokens (W, 1), positions (W, 1), logit_rows (L,), slots, block_table[, window_*] (device)
+    inputs: dict  # tokens (W, 1), positions (W, 1), logit_rows (L,), block_table[, window_table] (device)
 
 
 class Feeder:
@@ -96,19 +100,20 @@ class Feeder:
         scratch = self.scratch[group]
         return [b if b >= 0 else scratch for b in blocks[:n]] + [scratch] * (n - len(blocks[:n]))
 
-    def views(self, rows: list, n: int, real: Optional[int] = None) -> dict:
+    def views(self, rows: list, n: int, real: Optional[int] = None, slots: bool = True) -> dict:
         """rows (tokens, start, tables): ForwardBatch's block_table (R, n) and slots (R, T), and a
         mixed model's window_table and window_slots; tokens past the first `real` are padding,
-        written to the scratch block."""
+        written to the scratch block. slots=False: the tables alone (forward_rides derives them)."""
         bs, out = self.block_size, {}
         for group, (table_key, slots_key) in enumerate((("block_table", "slots"), ("window_table", "window_slots"))):
             if self.scratch[group] is None:
                 continue
             tables = [self.table_row(t[group], n, group) for _, _, t in rows]
-            slots = [[table[p // bs] * bs + p % bs if real is None or p < start + real else self.scratch[group] * bs
-                      for p in range(start, start + len(tokens))] for (tokens, start, _), table in zip(rows, tables)]
             out[table_key] = torch.tensor(tables, device=self.device)
-            out[slots_key] = torch.tensor(slots, device=self.device)
+            if slots:
+                out[slots_key] = torch.tensor([[table[p // bs] * bs + p % bs if real is None or p < start + real
+                                                else self.scratch[group] * bs for p in range(start, start + len(tokens))]
+                                               for (tokens, start, _), table in zip(rows, tables)], device=self.device)
         return out
 
     def rides(self, rows: list, requests: list, wants: list, kv_len: int) -> Rides:
@@ -117,7 +122,7 @@ class Feeder:
         inputs = dict(tokens=torch.tensor([[t] for t, _, _ in rows], device=device),
                       positions=torch.tensor([[p] for _, p, _ in rows], device=device),
                       logit_rows=torch.tensor(wants, device=device),
-                      **self.views([([t], p, tables) for t, p, tables in rows], n))
+                      **self.views([([t], p, tables) for t, p, tables in rows], n, slots=False))
         return Rides(requests, [p for _, p, _ in rows], [tables for _, _, tables in rows], kv_len, inputs)
 
     def continues(self, last: Optional[Rides], requests: list, positions: list, kv_len: int) -> bool:
@@ -128,9 +133,9 @@ class Feeder:
     def next_rides(self, last: Rides, tokens: Tensor, tables: list) -> Rides:
         """The step after last, of the same rows one position further: tokens (W, 1) on the device
         (last step's sampled ones), tables (host) as they are now, written in place where they changed."""
-        inputs, bs = dict(last.inputs), self.block_size
+        inputs = dict(last.inputs)
         inputs["tokens"], inputs["positions"] = tokens, last.inputs["positions"] + 1
-        for group, (table_key, slots_key) in enumerate((("block_table", "slots"), ("window_table", "window_slots"))):
+        for group, table_key in enumerate(("block_table", "window_table")):
             if self.scratch[group] is None:
                 continue
             table = inputs[table_key]
@@ -140,6 +145,5 @@ class Feeder:
                     for j, (a, b) in enumerate(zip(self.table_row(old[group], table.shape[1], group), row)):
                         if a != b:
                             table[r, j] = b
-            inputs[slots_key] = table.gather(1, inputs["positions"] // bs) * bs + inputs["positions"] % bs
         tables = tables + last.tables[len(tables):]  # padding rows keep theirs
         return Rides(last.requests, [p + 1 for p in last.positions], tables, last.kv_len, inputs)

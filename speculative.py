@@ -56,6 +56,7 @@ keeps the accepted ones): their slots are written again later. Nothing is rewoun
 
 Batch size 1 only: rows of a batch accept different numbers of tokens; larger batches are refused.
 """
+import functools
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -236,6 +237,10 @@ class SpeculativeEngine:
         self.tree_planner = TreePlanner(k, self.costs)
         self.jump_forward = True  # feed the tokens a grammar forces with the next block (False: picked one by one)
         self.tree_nodes = tree_nodes  # > 0: each round verifies a tree of up to this many candidates, k deep
+        # a round's kind, chosen once: lookahead's branches, a tree of candidates, or a chain
+        self.lookahead_rounds = isinstance(proposer, LookaheadProposer)
+        self.round = (functools.partial(lookahead_decode, self) if self.lookahead_rounds
+                      else self.speculative_tree_decode if tree_nodes else self.speculative_decode)
         proposer.setup(engine.max_seq_length)
 
     def forget_prefixes(self):
@@ -251,7 +256,7 @@ class SpeculativeEngine:
         plans, host = warmup.chunk_plans(self.engine, self.k + 1), host or constrained  # the verify's shapes
         if self.tree_nodes:  # the verify with a tree's mask is a graph of its own
             plans += tree_plans(self.engine, self.tree_nodes)
-        if isinstance(self.proposer, LookaheadProposer):  # its rounds' forward: a mask too, one size
+        if self.lookahead_rounds:  # its rounds' forward: a mask too, one size
             plans += tree_plans(self.engine, self.proposer.size - 1)
         if not host:  # and the plain step's, which rounds without proposals take
             plans += warmup.generate_plans(self.engine, prompts, sampling)
@@ -330,7 +335,7 @@ class SpeculativeEngine:
             if host:
                 new, entries, fed = self.speculative_decode_host(row.known(), row.fed, row, budget, stop, stats)
             else:
-                new = self.speculative_decode(row, budget, stop, stats)
+                new = self.round(row, budget, stop, stats)
                 entries, fed = (), len(new)  # the last token fed and the kept proposals
             emit(new, entries)
             engine.keep(row, fed)
@@ -387,12 +392,8 @@ class SpeculativeEngine:
         return token
 
     def speculative_decode(self, row: Request, budget: int, stop: set, stats: "SpecStats") -> list:
-        """One round: propose, verify in one target forward, accept. Returns the new tokens
+        """One round of a chain: propose, verify in one target forward, accept. Returns the new tokens
         (accepted proposals + the target's own token), cut after a stop token and to `budget`."""
-        if isinstance(self.proposer, LookaheadProposer):
-            return lookahead_decode(self, row, budget, stop, stats)
-        if self.tree_nodes:
-            return self.speculative_tree_decode(row, budget, stop, stats)
         device, sampling, context = self.device, row.sampling, row.known()
         room = self.max_seq_length - row.fed - 1  # slots after the last token
         drafts, q = self.propose(context, min(self.k, budget - 1), sampling) \
