@@ -12,6 +12,8 @@ Cases (--case, default: all that can run):
   lookahead, qwen-lookahead  lookahead decoding (generate.py --lookahead 4,3,3: a Jacobi window of 4
          over 2 levels, 3 pool n-grams verified) with SmolLM2-135M on the ngram case's prompts and open
          questions, and with Qwen2.5-Coder-1.5B on code prompts and open questions.
+  qwen-suffix  the suffix proposer with Qwen2.5-Coder-1.5B-Instruct on the ngram case's prompts.
+         Needs: python download.py qwen2.5-coder-1.5b
   qwen   Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct on code prompts
          (generate.py --draft_checkpoint ... --speculate_k 5).
          Needs: python download.py qwen2.5-coder-0.5b && python download.py qwen2.5-coder-1.5b
@@ -146,6 +148,7 @@ CASES = {
     "lookahead": dict(target="smollm2-135m", draft=None, ngram=None, k=2, prompts=GROUNDED + OPEN, lookahead=(4, 3, 3)),
     "qwen-lookahead": dict(target="qwen2.5-coder-1.5b", draft=None, ngram=None, k=2, prompts=CODE + OPEN,
                            lookahead=(4, 3, 3)),
+    "qwen-suffix": dict(target="qwen2.5-coder-1.5b", draft=None, ngram=None, k=8, prompts=GROUNDED),
     "qwen": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b", ngram=None, k=5, prompts=CODE),
     "qwen-int8": dict(target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b-int8", ngram=None, k=5, prompts=CODE),
     # staged (generate.py --staged --speculate_tree 10): the draft's tree, its chain sped up by prompt lookup
