@@ -111,8 +111,9 @@ class Feeder:
             tables = [self.table_row(t[group], n, group) for _, _, t in rows]
             out[table_key] = torch.tensor(tables, device=self.device)
             if slots:
+                scratch = self.scratch[group] * bs
                 out[slots_key] = torch.tensor([[table[p // bs] * bs + p % bs if real is None or p < start + real
-                                                else self.scratch[group] * bs for p in range(start, start + len(tokens))]
+                                                else scratch for p in range(start, start + len(tokens))]
                                                for (tokens, start, _), table in zip(rows, tables)], device=self.device)
         return out
 

@@ -135,7 +135,8 @@ def add_speculation_args(p):
                         "N - 1 levels, which fills a pool of N-grams (with the prompt's and output's own), and "
                         "verifies up to G of them that start with the last token: 1 + (N - 1)(W + G) tokens a "
                         f"forward (default: {LOOKAHEAD_DEFAULT}, 15 tokens; the authors suggest 7,5,7 for a 7B model "
-                        "on a GPU); --speculate_k and --adaptive_k do not apply")
+                        "on a GPU); with --adaptive_k a round runs where its candidates are expected to pay for "
+                        "its cost, else a plain step (spec_cost.LookaheadPlanner); --speculate_k does not apply")
     p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per round, at most (default: 5)")
     p.add_argument("--adaptive_k", action=argparse.BooleanOptionalAction, default=True,
                    help="each round verify the number of proposals (up to --speculate_k, or none: a plain "

@@ -24,6 +24,7 @@ The window and the pool follow the target's argmax even when sampling: they only
 rounds propose, and point masses chosen before the forward keep rejection sampling exact.
 """
 import random
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -140,16 +141,18 @@ class LookaheadProposer(Proposer):
 def lookahead_decode(spec, row, budget: int, stop: set, stats) -> list:
     """One round of lookahead decoding for SpeculativeEngine `spec` (row, budget, stop and stats as
     its speculative_decode takes them): both branches in one target forward; the accepted path's keys
-    and values move to the positions it takes. Returns the new tokens. With one token left to give
-    or no room for the chunk, a plain step."""
+    and values move to the positions it takes. Returns the new tokens. With one token left to give,
+    no room for the chunk, or (adaptive) a round that is not expected to pay, a plain step."""
     proposer, sampling, context = spec.proposer, row.sampling, row.known()
     stats.target_forwards += 1
-    if budget < 2 or spec.max_seq_length - row.fed < proposer.size:
+    room = budget >= 2 and spec.max_seq_length - row.fed >= proposer.size
+    chunk, planner = proposer.branches(context) if room else None, spec.lookahead_planner
+    if chunk is None or (spec.adaptive and not planner.ask(chunk.tree.children(), chunk.tree.tokens, context)):
         stats.plain_steps += 1
         return [spec.plain_step(row)]
-    chunk = proposer.branches(context)
+    tree, start = chunk.tree, time.perf_counter()
     logits = spec.engine.feed(row, chunk.tokens, every=True, tree=chunk)  # (T, V)
-    tree, window = chunk.tree, proposer.verify_size
+    window = proposer.verify_size
     if sampling.temperature == 0:
         picks = logits.argmax(-1).tolist()  # one copy to the host
         path, next_token = greedy_path(tree, picks[:len(tree)])
@@ -157,6 +160,7 @@ def lookahead_decode(spec, row, budget: int, stop: set, stats) -> list:
     else:
         path, next_token = sampled_path(tree, logits_to_probs(logits[:len(tree)], sampling))
         guesses = logits[window:].argmax(-1).tolist()
+    planner.verified(tree.children(), path, time.perf_counter() - start)
     proposer.observe(guesses)
     spec.compact_path(row, path)
     stats.histogram[len(path)] += 1

@@ -24,6 +24,9 @@ accepted, or none (a plain decoding step) when no count beats plain decoding.
 - Trees (--speculate_tree): `TreePlanner` keeps the nodes of the proposer's tree that give the
   most expected tokens per cost (`best_tree`), from `TreeAcceptance`'s rate per depth and sibling
   rank and the StepCosts of a verify of that many tokens; none (a plain step) where no cut pays.
+- Lookahead decoding (`LookaheadPlanner`): a round is one forward of a fixed size whatever its
+  verification tree holds; it runs where that tree's expected tokens beat the forward's f(n), and
+  otherwise only now and then (`Probe`), so that its window keeps moving.
 - `ChainThreshold`: a draft model drafts until its chain's probability (the product of its
   probabilities of the tokens it chose) falls below a threshold that drops when its recent
   proposals were accepted and rises when they were not.
@@ -429,3 +432,34 @@ class TreePlanner:
         """A verify of the tree cut to what was chosen (children of its nodes) took seconds."""
         self.costs.observe(len(children) - 1, seconds)
         self.acceptance.record(children, path)
+
+
+class LookaheadPlanner:
+    """Whether a lookahead round (lookahead.py: one forward of `size` tokens, whatever its
+    verification tree holds) beats a plain step: the tree's expected tokens (grow_tree over
+    TreeAcceptance's rates, kept up by TreeShadow where no round ran) against f(size - 1). A round
+    that does not pay still runs now and then (Probe), so that the window's trajectory moves on and
+    fills the pool where the text turns repetitive."""
+
+    def __init__(self, size: int, depth: int, costs: StepCosts):
+        self.n, self.costs = size - 1, costs
+        self.acceptance, self.shadow, self.probe = TreeAcceptance(depth), TreeShadow(), Probe()
+
+    def pays(self, children: list) -> bool:
+        tokens = 1 + sum(p for _, p in grow_tree(children, self.acceptance.rates()))
+        return tokens > self.costs.ratios()[self.n] * MIN_GAIN
+
+    def ask(self, children: list, tokens: list, known: list) -> bool:
+        """Whether to run the round whose tree (children, tokens) follows the sequence known."""
+        self.shadow.check(known, self.acceptance)
+        if self.pays(children):
+            return True
+        if len(children) > 1:
+            self.shadow.watch(children, tokens, len(known))
+        return self.probe.due()
+
+    def verified(self, children: list, path: list, seconds: float):
+        """A round took seconds and accepted path."""
+        self.costs.observe(self.n, seconds)
+        self.acceptance.record(children, path)
+        self.probe.outcome(len(path) + 1 > self.costs.ratios()[self.n])

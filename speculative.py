@@ -75,7 +75,7 @@ from proposers import Proposer, common_prefix
 from rope import recompute_position
 from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample, sample_probs, token_logprobs
 from scheduler import Request, StepPlan
-from spec_cost import RoundPlanner, StepCosts, TreePlanner
+from spec_cost import LookaheadPlanner, RoundPlanner, StepCosts, TreePlanner
 from tree import Tree, compact, greedy_path, path_slots, sampled_path
 
 
@@ -232,16 +232,23 @@ class SpeculativeEngine:
         self.engine, self.proposer, self.k, self.adaptive = engine, proposer, k, adaptive
         self.model, self.device, self.compiled = engine.model, engine.device, compile
         self.max_seq_length = engine.max_seq_length
-        self.costs = StepCosts(max(k, tree_nodes))  # a verify's cost per proposal count, kept across calls
-        self.planner = RoundPlanner(k, proposer.cheap, self.costs)
-        self.tree_planner = TreePlanner(k, self.costs)
+        self.lookahead_rounds = isinstance(proposer, LookaheadProposer)
+        longest = max(k, tree_nodes, proposer.size - 1 if self.lookahead_rounds else 0)
+        self.costs = StepCosts(longest)  # a verify's cost per proposal count, kept across calls
+        self.fresh_planners()
         self.jump_forward = True  # feed the tokens a grammar forces with the next block (False: picked one by one)
         self.tree_nodes = tree_nodes  # > 0: each round verifies a tree of up to this many candidates, k deep
         # a round's kind, chosen once: lookahead's branches, a tree of candidates, or a chain
-        self.lookahead_rounds = isinstance(proposer, LookaheadProposer)
         self.round = (functools.partial(lookahead_decode, self) if self.lookahead_rounds
                       else self.speculative_tree_decode if tree_nodes else self.speculative_decode)
         proposer.setup(engine.max_seq_length)
+
+    def fresh_planners(self):
+        """Each generation learns its acceptance afresh; the step costs (self.costs) carry over."""
+        self.planner = RoundPlanner(self.k, self.proposer.cheap, self.costs)
+        self.tree_planner = TreePlanner(self.k, self.costs)
+        if self.lookahead_rounds:
+            self.lookahead_planner = LookaheadPlanner(self.proposer.size, self.proposer.N - 1, self.costs)
 
     def forget_prefixes(self):
         self.engine.forget_prefixes()
@@ -286,8 +293,7 @@ class SpeculativeEngine:
         stats = SpecStats(prompt_tokens=len(prompt), new_tokens=0, ttft_s=0.0, decode_s=0.0, token_times=[],
                           k=self.k, histogram=[0] * (self.k + 1))
         draft_forwards_before, eager = self.proposer.forwards, self.engine.eager_steps
-        self.planner = RoundPlanner(self.k, self.proposer.cheap, self.costs)
-        self.tree_planner = TreePlanner(self.k, self.costs)
+        self.fresh_planners()
         self.proposer.adapt(self.adaptive)
         start = time.perf_counter()
         scheduler = self.engine.scheduler

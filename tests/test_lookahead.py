@@ -21,6 +21,7 @@ from kvcache import ForwardBatch
 from loading import load_model
 from lookahead import LookaheadProposer, window_mask
 from sampling import Sampling
+from spec_cost import StepCosts
 from speculative import SpeculativeEngine
 from tokenizer import Tokenizer
 from test_speculative import (PROMPTS, RUNS, SAMPLE_PROMPT, SAMPLINGS, V, assert_target_cache_is_a_plain_run,
@@ -35,10 +36,11 @@ OPEN_ENDED = "Write a short story about a lighthouse keeper who finds a message 
 
 
 def lookahead_engine(model, sizes: tuple, max_seq_length: int = 128, compile: bool = False,
-                     proposer=None) -> SpeculativeEngine:
+                     proposer=None, adaptive: bool = False) -> SpeculativeEngine:
+    """adaptive=False: every round a lookahead forward, as these tests check them (not the planner's choice)."""
     proposer = proposer or LookaheadProposer(*sizes)
     return SpeculativeEngine(Engine(model, 1, max_seq_length, compile=compile), proposer, sizes[1] - 1,
-                             compile=compile)
+                             compile=compile, adaptive=adaptive)
 
 
 def seen(chunk, t: int) -> list:
@@ -213,6 +215,26 @@ def test_compiled_lookahead_rounds_match_plain_greedy(monkeypatch):
     with torch.compiler.set_stance("fail_on_recompile"):
         (out,), stats = spec.generate([prompt], 32, Sampling())
     assert out == expected and sum(stats.histogram[1:]) > 0
+
+
+@pytest.mark.parametrize("prompt", [REPEAT, OPEN_ENDED], ids=["repetitive", "open-ended"])
+def test_adaptive_lookahead_plain_steps_where_rounds_do_not_pay(smollm2, prompt, monkeypatch):
+    """With a round costing 2 plain steps (f(14) fixed), the planner runs lookahead rounds where the
+    pool's n-grams are accepted (the list repeated back) and plain steps, with a probe now and then,
+    where they are not (a story: more than three plain steps a round); greedy output identical."""
+    monkeypatch.setattr(StepCosts, "observe", lambda self, n, seconds: None)
+    model, tok = smollm2
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_bos=False)
+    expected = plain_greedy(model, ids, 64, tok.eos_ids, max_seq_length=256)
+    spec = lookahead_engine(model, (4, 3, 3), max_seq_length=256, adaptive=True)
+    spec.costs.seconds[:] = [1 + n / 14 for n in range(15)]
+    (out,), stats = spec.generate([ids], 64, Sampling(), tok.eos_ids)
+    assert out == expected
+    rounds = sum(stats.histogram)
+    if prompt == REPEAT:  # (23 tokens, then EOS: 16 forwards when written, 8 of them rounds)
+        assert rounds >= 4 and sum(stats.histogram[1:]) >= 3, stats
+    else:
+        assert stats.plain_steps > 3 * rounds, stats
 
 
 # ---------------------------------------------------------------- sampling

@@ -9,8 +9,8 @@ from conftest import TEST_DEVICE, random_model
 from engine import Engine
 from proposers import DraftProposer
 from sampling import Sampling
-from spec_cost import (Acceptance, ChainThreshold, Probe, RowCosts, Shadow, StepCosts, TreeAcceptance, TreeShadow,
-                       best_count, best_tree, expected_tokens, grow_tree, share_rows)
+from spec_cost import (Acceptance, ChainThreshold, LookaheadPlanner, Probe, RowCosts, Shadow, StepCosts,
+                       TreeAcceptance, TreeShadow, best_count, best_tree, expected_tokens, grow_tree, share_rows)
 from speculative import SpeculativeEngine
 from test_speculative import PROMPTS, ScriptedProposer, noisy_copy, plain_greedy, sharpened
 from tree import Tree
@@ -181,6 +181,24 @@ def test_tree_shadow_records_the_path_the_tokens_took():
     assert shadow.children is not None  # 3 matched; the token after it is not decoded yet
     shadow.check([0, 0, 0, 0, 9, 3, 8], acceptance)
     assert shadow.children is None and acceptance.kept[0][:2] == [0, 1] and acceptance.tried[1][0] == 1
+
+
+def test_lookahead_planner_runs_rounds_whose_candidates_pay_and_probes_the_rest():
+    costs = StepCosts(14)
+    costs.seconds[:] = [1 + n / 14 for n in range(15)]  # a round of 15 tokens costs 2 plain steps
+    planner = LookaheadPlanner(15, 2, costs)
+    alone = Tree.from_paths(7, []).children()  # no candidates: a round gives one token
+    assert [planner.ask(alone, [7], [1, 7]) for _ in range(2)] == [False, True]  # a probe
+    planner.verified(alone, [], 2.0)  # it lost: the next comes after 4
+    assert [planner.ask(alone, [7], [1, 7]) for _ in range(4)] == [False, False, False, True]
+    planner.verified(alone, [], 2.0)  # lost again: after 8
+    tree = Tree.from_paths(7, [[1, 2], [3, 4], [5, 6]])
+    planner.acceptance.tried = [[50.0] * 3, [50.0] * 3]
+    planner.acceptance.kept = [[49.0] * 3, [49.0] * 3]  # each first child near certain: 2.9 tokens
+    assert planner.ask(tree.children(), tree.tokens, [1, 7])
+    planner.acceptance.kept = [[5.0] * 3, [5.0] * 3]  # 1 in 10, rarely a path: about 1.3 tokens
+    assert not planner.ask(tree.children(), tree.tokens, [1, 7, 0])
+    assert planner.shadow.children is not None  # watched: the tokens decoded next say what it would have given
 
 
 def test_probe_backs_off_while_losing():
