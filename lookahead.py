@@ -107,9 +107,13 @@ class LookaheadProposer(Proposer):
         grams = self.candidates(context)
         return (grams[0][:k] if grams else []), None
 
-    def branches(self, context: list) -> Branches:
-        """This round's chunk: the tree of the pool's n-grams after the last token, padded, then the window."""
-        tree = Tree.from_paths(context[-1], self.candidates(context))
+    def tree(self, context: list) -> Tree:
+        """The verification branch: the pool's n-grams after the last token, merged into a tree."""
+        return Tree.from_paths(context[-1], self.candidates(context))
+
+    def branches(self, context: list, tree: Optional[Tree] = None) -> Branches:
+        """This round's chunk: the tree (of the pool's n-grams after the last token), padded, then the window."""
+        tree = tree or self.tree(context)
         pad = self.verify_size - len(tree)
         mask = self.mask.clone()
         mask[:len(tree), :len(tree)] = tree.ancestor_mask()
@@ -146,11 +150,12 @@ def lookahead_decode(spec, row, budget: int, stop: set, stats) -> list:
     proposer, sampling, context = spec.proposer, row.sampling, row.known()
     stats.target_forwards += 1
     room = budget >= 2 and spec.max_seq_length - row.fed >= proposer.size
-    chunk, planner = proposer.branches(context) if room else None, spec.lookahead_planner
-    if chunk is None or (spec.adaptive and not planner.ask(chunk.tree.children(), chunk.tree.tokens, context)):
+    tree, planner = proposer.tree(context) if room else None, spec.lookahead_planner
+    # decided on the tree alone: the chunk's mask costs tensor operations a plain step need not pay
+    if tree is None or (spec.adaptive and not planner.ask(tree.children(), tree.tokens, context)):
         stats.plain_steps += 1
         return [spec.plain_step(row)]
-    tree, start = chunk.tree, time.perf_counter()
+    chunk, start = proposer.branches(context, tree), time.perf_counter()
     logits = spec.engine.feed(row, chunk.tokens, every=True, tree=chunk)  # (T, V)
     window = proposer.verify_size
     if sampling.temperature == 0:
