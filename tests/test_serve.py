@@ -120,6 +120,7 @@ def test_same_text_as_generate(client, reference):
         assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.slow  # (two minutes of compiling: make test-slow)
 def test_serves_while_compiling(smollm2_dir, reference):
     """The default on CPU: /health answers before the step is compiled (a cold compile takes
     minutes), the eager step serves generate.py's text meanwhile, and the compiled one takes over."""
