@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from scripts.bench_tp import run_options
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Once upon a time, there was a little", "The capital of France is", "def fibonacci(n):",
            "The best way to learn a language is", "In 1969, the first", "Water boils at", "My favourite food is",
@@ -61,13 +63,7 @@ def main(argv=None):
     parser.add_argument("--requests", type=int, default=8, help="prompts decoded at once")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (ranks)")
     parser.add_argument("--groups", default="1,2", help="--pp_groups values to measure, comma-separated")
-    parser.add_argument("--threads", type=int, default=1, help="threads per process (per rank)")
-    parser.add_argument("--dtype", default="float32", help="generate.py --dtype (default: float32)")
-    parser.add_argument("--max_new_tokens", type=int, default=64)
-    parser.add_argument("--num_samples", type=int, default=3, help="samples per configuration; the first is dropped")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
-    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    run_options(parser, max_new_tokens=64, compile=False)
     args = parser.parse_args(argv)
     rows = []
     for groups in [0] + [int(g) for g in args.groups.split(",")]:

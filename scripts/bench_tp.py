@@ -71,6 +71,17 @@ def mb(xs) -> str:
     return " / ".join(f"{x / 1e6:.0f}" for x in xs) if xs else "-"
 
 
+def run_options(parser: argparse.ArgumentParser, max_new_tokens: int, compile: bool):
+    """The options of each generate.py process a multi-rank benchmark runs (bench_tp, bench_pp_groups)."""
+    parser.add_argument("--threads", type=int, default=1, help="threads per process (per rank)")
+    parser.add_argument("--dtype", default="float32", help="generate.py --dtype (default: float32)")
+    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--num_samples", type=int, default=3, help="samples per configuration; the first is dropped")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=compile)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m scripts.bench_tp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,13 +90,7 @@ def main(argv=None):
     parser.add_argument("--ranks", default="1,2", help="torchrun world sizes to measure, comma-separated")
     parser.add_argument("--tp_modes", default="exact,allreduce", help="tp.py modes to measure, comma-separated")
     parser.add_argument("--no-single", dest="single", action="store_false", help="skip the plain single-process row")
-    parser.add_argument("--threads", type=int, default=1, help="threads per process (per rank)")
-    parser.add_argument("--dtype", default="float32", help="generate.py --dtype (default: float32)")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--num_samples", type=int, default=3, help="samples per configuration; the first is dropped")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
-    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    run_options(parser, max_new_tokens=128, compile=True)
     args = parser.parse_args(argv)
     configs = ([(0, "")] if args.single else []) + [(int(n), mode) for n in args.ranks.split(",")
                                                    for mode in args.tp_modes.split(",")]
