@@ -38,7 +38,6 @@ def main(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=300)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    sys.path.insert(0, str(REPO_ROOT))
     times: dict = {}
     for module, (cls, names) in PARTS.items():
         owner = getattr(__import__(module), cls)

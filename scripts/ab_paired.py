@@ -1,0 +1,142 @@
+"""Two checkouts' generate.py decoding at the same time, taking turns on the CPU: both processes
+build and compile, then this driver lets one run while it stops the other (SIGSTOP / SIGCONT),
+switching every --slice seconds, so that both meet the same moments of a machine whose speed
+drifts by more than the difference being measured (scripts/ab_decode.py alternates whole
+processes, a minute apart).
+
+Each sample is one generate call of --max_new_tokens tokens (EOS ignored); its figures are its
+inter-token latency median (a pause is one long gap among the sample's tokens: the median skips it)
+and its time to first token. Samples are kept while both processes run; the first of each
+(compilation) is dropped. Reported per weight setting: after/before decode speed (the ratio of the
+median latencies, inverted) and TTFT, each with a 95% interval from resampling the samples.
+
+    git worktree add /tmp/before HEAD~1
+    python -m scripts.ab_paired --before /tmp/before --weights float32,int8 --json benchmarks/paged-ab-paired.json"""
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from scripts.ab_decode import knows
+from scripts.bench import LONG_PROMPT, QUANTIZED, REPO_ROOT, SHORT_PROMPT, quantized_checkpoint, subprocess_env
+
+
+class Run:
+    """One checkout's generate.py with many samples; the times at which its samples ended."""
+
+    def __init__(self, tree: Path, checkpoint: Path, weights: str, prompt: str, args, out: Path):
+        dtype = "float32" if weights in QUANTIZED else weights
+        cmd = [sys.executable, str(tree / "generate.py"), "--checkpoint", str(checkpoint), "--prompt", prompt,
+               "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0", "--dtype", dtype, "--compile",
+               "--ignore_eos", "--num_samples", str(args.samples), "--metrics_json", str(out)]
+        if knows(tree, "--wait_for_compile"):
+            cmd.append("--wait_for_compile")
+        self.out, self.ended = out, []
+        self.proc = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env=subprocess_env())
+        threading.Thread(target=self.read, daemon=True).start()
+
+    def read(self):
+        for line in self.proc.stderr:
+            if line.startswith("decode "):  # print_metrics' line: a sample has ended
+                self.ended.append(time.monotonic())
+
+    def signal(self, sig):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait_warm(self, timeout: float = 900):
+        """Until its first sample (after compiling) has ended."""
+        deadline = time.monotonic() + timeout
+        while not self.ended:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"error: {self.proc.args[1]} ended or hung before its first sample")
+            time.sleep(0.05)
+
+
+def pair(trees: dict, checkpoint: Path, weights: str, prompt: str, args, work: Path) -> dict:
+    """Both checkouts taking turns until one has run its samples (or args.seconds): each one's samples
+    (ITL median s, TTFT s) that ended meanwhile; the other then finishes alone, unmeasured."""
+    runs = {}
+    for name, tree in trees.items():  # one compiles at a time: compiling would skew nothing, but it is slow
+        runs[name] = Run(tree, checkpoint, weights, prompt, args, work / f"{weights}-{name}.json")
+        runs[name].wait_warm()
+        runs[name].signal(signal.SIGSTOP)
+    start = time.monotonic()
+    while time.monotonic() - start < args.seconds and all(r.proc.poll() is None for r in runs.values()):
+        for r in runs.values():
+            r.signal(signal.SIGCONT)
+            time.sleep(args.slice)
+            r.signal(signal.SIGSTOP)
+    end = time.monotonic()
+    for r in runs.values():  # the metrics file is written at exit
+        r.signal(signal.SIGCONT)
+    got = {}
+    for name, r in runs.items():
+        if r.proc.wait(timeout=3600) != 0:
+            sys.exit(f"error: {trees[name]}/generate.py failed on {weights}")
+        kept = sum(start < t <= end for t in r.ended)
+        first = sum(t <= start for t in r.ended)
+        metrics = json.loads(r.out.read_text())[first:first + kept]
+        got[name] = [(m["inter_token_latency_median_s"], m["ttft_s"]) for m in metrics]
+    return got
+
+
+def ratio_of_medians(after: list, before: list, draws: int = 2000) -> tuple:
+    """median(before) / median(after) and a 95% interval, resampling each side."""
+    import random
+    rng = random.Random(0)
+    ratios = sorted(statistics.median(rng.choices(before, k=len(before))) /
+                    statistics.median(rng.choices(after, k=len(after))) for _ in range(draws))
+    return statistics.median(before) / statistics.median(after), (ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m scripts.ab_paired", description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", type=Path, required=True, help="the other checkout (a git worktree)")
+    p.add_argument("--checkpoint", type=Path, default=REPO_ROOT / "checkpoints" / "smollm2-135m")
+    p.add_argument("--weights", default="float32,bfloat16,int8,int4-g32",
+                   help=f"comma-separated, of float32, bfloat16, {', '.join(QUANTIZED)}")
+    p.add_argument("--seconds", type=float, default=600, help="of taking turns at most, per weight setting")
+    p.add_argument("--slice", type=float, default=0.25, help="seconds a process runs before the other's turn")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--samples", type=int, default=60,
+                   help="per process: the turns go on until one process has run them all (or --seconds)")
+    p.add_argument("--long", action="store_true", help="the 494-token prompt, not the short one")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    weights = args.weights.split(",")
+    if unknown := [w for w in weights if w not in ("float32", "bfloat16", *QUANTIZED)]:
+        sys.exit(f"error: unknown weights {', '.join(unknown)}")
+    work, table = Path(tempfile.mkdtemp(prefix="minillm-paired-")), []
+    for w in weights:
+        checkpoint = quantized_checkpoint(args, w) if w in QUANTIZED else args.checkpoint
+        got = pair({"after": REPO_ROOT, "before": args.before}, checkpoint, w, LONG_PROMPT if args.long else SHORT_PROMPT,
+                   args, work)
+        after, before = got["after"], got["before"]
+        if min(len(after), len(before)) < 5:
+            sys.exit(f"error: {w}: too few samples while both ran ({len(after)}, {len(before)}): raise --seconds")
+        decode, decode_ci = ratio_of_medians([a for a, _ in after], [b for b, _ in before])
+        ttft, ttft_ci = ratio_of_medians([b for _, b in before], [a for _, a in after])  # after / before
+        row = {"weights": w, "decode_ratio": decode, "decode_ci95": decode_ci, "ttft_ratio": ttft, "ttft_ci95": ttft_ci,
+               "samples": [len(after), len(before)],
+               "itl_ms": [1000 * statistics.median(a for a, _ in after), 1000 * statistics.median(b for b, _ in before)],
+               "ttft_ms": [1000 * statistics.median(a for _, a in after), 1000 * statistics.median(b for _, b in before)]}
+        table.append(row)
+        print(f"{w:9s} decode after/before {decode:.3f} ({decode_ci[0]:.3f}-{decode_ci[1]:.3f}), TTFT {ttft:.3f} "
+              f"({ttft_ci[0]:.3f}-{ttft_ci[1]:.3f}); samples {len(after)} / {len(before)}; ITL "
+              f"{row['itl_ms'][0]:.2f} / {row['itl_ms'][1]:.2f} ms", flush=True)
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                text=True).stdout.strip()
+        args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "commit": commit, "argv": sys.argv[1:], "rows": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
