@@ -226,14 +226,15 @@ def test_lookahead_sampling_runs():
 
 
 @pytest.mark.slow
-def test_lookahead_compiled_after_warm_up(every_round):
-    """serve.py's warm-up compiles a round's forward: serving compiles nothing more."""
+def test_lookahead_compiled_after_warm_up(every_round, moves):
+    """serve.py's warm-up compiles a round's forward: serving compiles nothing more, and gives the
+    solo greedy tokens."""
     import kernels
     import serve
     model = random_model(device=TEST_DEVICE)
     ps = repetitive(2, seed=8)
     want = [alone(model, p, 24) for p in ps]
-    spec = Speculation("lookahead")
+    spec = KnownPools({tuple(p): w for p, w in zip(ps, want)})
     engine = serving(kernels.install(copy.deepcopy(model)), 2, 256, speculation=spec, prefill_chunk=16, compile=True)
     torch._dynamo.reset()
     serve.warm_up(engine)
@@ -241,7 +242,7 @@ def test_lookahead_compiled_after_warm_up(every_round):
     with torch.compiler.set_stance("fail_on_recompile"):
         for req in reqs:
             run_all(engine, {0: [req]})
-    assert [r.out for r in reqs] == want and spec.verifies > 0
+    assert [r.out for r in reqs] == want and spec.verifies > 0 and moves
 
 
 # ---------------------------------------------------------------- the server
