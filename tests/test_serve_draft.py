@@ -11,6 +11,7 @@ import torch
 
 from conftest import TEST_DEVICE, random_model, run_script
 from draft_rows import DraftRows
+from errors import UserError
 from sampling import Sampling, logits_to_probs
 from scheduler import Request
 from spec_cost import LookaheadPlanner
@@ -215,6 +216,14 @@ def test_lookahead_beside_other_requests(every_round, moves):
     assert [r.out for r in reqs] == want and spec.verifies > 0 and moves
 
 
+def test_lookahead_rounds_only_while_one_request_decodes(every_round):
+    """A round's window cannot ride in one-token rows: with two requests decoding, neither proposes."""
+    spec = Speculation("lookahead")
+    one, two = (Request(p, 16, sampling=Sampling()) for p in repetitive(2, seed=3))
+    assert list(spec.propose([one])) == [one] and len(spec.propose([one])[one].tokens) == spec.rounds.size
+    assert spec.propose([one, two]) == {}
+
+
 def test_lookahead_sampling_runs():
     """Sampled requests take rounds too (recursive rejection sampling over point masses) and end."""
     model = random_model(device=TEST_DEVICE)
@@ -256,6 +265,17 @@ def test_serve_refuses_bad_speculation_flags(smollm2_dir, tmp_path):
                            (["--speculative", "lookahead", "--lookahead", "4,1,3"], "W,N,G")):
         r = run_script("serve.py", "--checkpoint", str(smollm2_dir), *flags, timeout=60)
         assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+
+
+def test_serve_refuses_a_draft_or_lookahead_under_torchrun(smollm2_dir):
+    """Rank 0 alone would draft, or compact a lookahead round's path: refused before anything loads."""
+    import argparse
+
+    import serve
+    for kind in ("draft", "lookahead"):
+        args = argparse.Namespace(device="cpu", dtype="float32", checkpoint=smollm2_dir, speculative=kind)
+        with pytest.raises(UserError, match="torchrun"):
+            serve.load_engine(args, tp=object())
 
 
 @pytest.mark.parametrize("flags", [["draft", "--draft_checkpoint", "checkpoints/smollm2-135m-int8"], ["lookahead"]],
