@@ -29,10 +29,10 @@ for a graceful stop (torchrun treats a SIGTERM of its own as a failure and ends 
 A rank or host lost mid-way (liveness.py) ends the server: its open requests get an error naming
 the lost rank, and it exits with status 1.
 
-Speculative decoding (--speculative ngram|suffix|draft|lookahead, speculation.py): a request's proposals ride
-in the batched step beside the other rows and each accepts its own count; the greedy text is the
-same as without. A request opts out with the extra field `"speculative": false`; one with a grammar,
-logprobs, penalties, logit_bias or a seed runs without proposals.
+Speculative decoding (--speculative ngram|suffix|draft|lookahead, speculation.py): a request's
+proposals ride in the batched step beside the other rows and each accepts its own count; the greedy
+text is the same as without. A request opts out with the extra field `"speculative": false`; one
+with a grammar, logprobs, penalties, logit_bias or a seed runs without proposals.
     --speculative draft --draft_checkpoint D: a smaller model with the same tokenizer drafts for every
     speculating request in batched forwards, each in a row of its own KV cache (draft_rows.py).
     --speculative lookahead [--lookahead W,N,G]: lookahead decoding's rounds, chunks of the step,
