@@ -119,7 +119,7 @@ class Engine:
         self.scheduler.jump_forward, self.scheduler.speculation = self.forces_whole, self.speculation
         self.scheduler.group_rows = self.model.group_rows if self.groups > 1 else None
         if self.speculation is not None:  # a step wider than warm-up's would compile while serving
-            self.speculation.max_rows = warmup.widest_rows(self)
+            self.speculation.attach(self.model, self.block_size, warmup.widest_rows(self))
 
     def chunk_tokens(self) -> int:
         return self.prefill_chunk or self.max_seq_length
@@ -399,14 +399,14 @@ class Engine:
         fed = collections.Counter(plan.requests)
         for req, (tokens, _, _, *_) in zip(plan.chunk_requests, plan.chunks):
             fed[req] += len(tokens)
-        verified = self.verify(plan, rides_out, fed)
+        verified = self.verify(plan, rides_out, fed, chunks_out)
         ridden = [(req, j) for j, i in enumerate(plan.wants) if (req := plan.requests[i]) not in plan.verifies]
         if plan.sampling is not None:  # sampled in the step, which had no chunks: rides_out holds tokens
             sampled = {req: t for (req, _), t in zip(ridden, rides_out.view(-1).tolist())}
             return self.scheduler.postprocess(plan, fed, sampled, verified)
         ready = [(req, rides_out[j]) for req, j in ridden]
         for req, (tokens, start, _, *every), logits in zip(plan.chunk_requests, plan.chunks, chunks_out):
-            if every and every[0]:  # a prompt scored for its logprobs: every token's logits (T, V)
+            if every and every[0] and req not in plan.verifies:  # a prompt scored for its logprobs: (T, V)
                 score_prompt(req, start, len(tokens), logits)
                 logits = logits[-1]
             if start + len(tokens) == len(req.known()):
@@ -421,16 +421,16 @@ class Engine:
                     self.scheduler.finish(req, "error", f"sampling failed: {type(e).__name__}: {e}")
         self.scheduler.postprocess(plan, fed, sampled, verified)
 
-    def verify(self, plan: StepPlan, rides_out: Optional[Tensor], fed: collections.Counter) -> dict:
+    def verify(self, plan: StepPlan, rides_out: Optional[Tensor], fed: collections.Counter, chunks_out: list) -> dict:
         """Each verify's new tokens (request -> its accepted proposals and the target's token after
-        them), its cache kept up to them (fed): the keys of rejected proposals are written over later."""
-        rows = collections.defaultdict(list)
+        them; its rows', or its chunk's), its cache kept up to them (fed): rejected keys are overwritten later."""
+        rows, out = collections.defaultdict(list), dict(zip(plan.chunk_requests, chunks_out))
         for j, i in enumerate(plan.wants):
             rows[plan.requests[i]].append(j)
         verified = {}
         for req, drafts in plan.verifies.items():
             try:
-                verified[req] = self.speculation.accept(req, rides_out[rows[req]], drafts)
+                verified[req] = self.speculation.accept(req, out[req] if req in out else rides_out[rows[req]], drafts)
                 fed[req] = len(verified[req])  # its last token and the accepted proposals
             except Exception as e:
                 self.scheduler.finish(req, "error", f"verifying failed: {type(e).__name__}: {e}")

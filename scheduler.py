@@ -9,7 +9,8 @@ decoding request, and prompt tokens beside them, `rides`), or a prompt goes in a
 (`chunks`). When its last pending token has been fed, its logits give the request its next token.
 A decoding request with proposals (serve.py --speculative, speculation.py) feeds its last token and
 them, a ride each whose logits are wanted (a verify): it keeps what the target accepts, and the
-keys of the rejected ones, past `fed`, are written over by later feeds and never sealed.
+keys of the rejected ones, past `fed`, are written over by later feeds and never sealed. A
+lookahead round goes as a chunk instead (`plan_round`), verified the same way.
 
 Blocks: a request starts on the cached blocks that hold the longest beginning of its tokens
 (blocks.BlockManager.match), and takes fresh ones as it grows; a full block is sealed under its
@@ -123,7 +124,7 @@ class StepPlan:
     chunks: list = field(default_factory=list)
     requests: list = field(default_factory=list)  # the request of each ride
     chunk_requests: list = field(default_factory=list)
-    verifies: dict = field(default_factory=dict)  # request -> its proposals, riding after its last token
+    verifies: dict = field(default_factory=dict)  # request -> its proposals after its last token (rides, or a chunk)
     sampling: Optional[object] = None  # the rides' wanted rows sample inside the step, all alike
     mask: Optional[object] = None  # ... masked by their grammars (bits, grammar.token_masks)
 
@@ -193,7 +194,10 @@ class Scheduler:
         decoding = [r for r in decoding if r in self.running]
         proposals = self.speculation.propose(decoding) if self.speculation is not None else {}
         for req in decoding:
-            drafts = self.fit_proposals(req, proposals.get(req, []))
+            proposal = proposals.get(req, [])
+            if not isinstance(proposal, list) and self.plan_round(req, proposal, plan):
+                continue
+            drafts = self.fit_proposals(req, proposal if isinstance(proposal, list) else [])
             if drafts:
                 plan.verifies[req] = drafts
             for j, token in enumerate([req.known()[-1]] + drafts):  # a verify: every row's logits
@@ -235,6 +239,18 @@ class Scheduler:
         if m > 0:
             self.make_room(req, req.fed + 1 + m, StepPlan())  # free blocks enough: nobody is preempted
         return drafts[:max(m, 0)]
+
+    def plan_round(self, req: Request, branches, plan: StepPlan) -> bool:
+        """A lookahead round (speculation.LookaheadRounds: lookahead.Branches after req's last
+        token) as a chunk of its own, every token's logits wanted, verified: if the blocks that
+        no running request is promised hold it (it never preempts)."""
+        n = len(branches.tokens) - 1  # past the last token
+        if len(self.fit_proposals(req, [0] * n)) < n:
+            return False
+        plan.chunks.append((branches.tokens, req.fed, req.tables(), True, branches))
+        plan.chunk_requests.append(req)
+        plan.verifies[req] = branches
+        return True
 
     def recompute_if_crossing(self, req: Request):
         """A LongRoPE model's request whose next forward takes it past the switch, with keys rotated

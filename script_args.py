@@ -9,13 +9,13 @@ from pathlib import Path
 
 from choices import BLOCK_SIZE, COMPILE_MODES, GPTQ_MODES, GROUPED_MODES, GROUPSIZES, QUANTIZE_MODES
 from errors import QuantizeError, UserError, require_dir
-from generate_args import add_parallel_args, check_pipeline_args
+from generate_args import LOOKAHEAD_DEFAULT, add_parallel_args, check_pipeline_args, lookahead_sizes
 
 DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_TEXT = DATA / "hamlet.txt"  # eval.py's
 DEFAULT_CALIBRATION = DATA / "macbeth.txt"  # quantize.py's, for GPTQ
 DEVICE_HELP = "cpu, cuda, cuda:1, ... (default: cuda where there is one, else cpu)"
-SERVED_PROPOSERS = ("ngram", "suffix")  # speculation.KINDS: serve.py --speculative
+SERVED_PROPOSERS = ("ngram", "suffix", "draft", "lookahead")  # speculation.KINDS: serve.py --speculative
 
 
 # ---------------------------------------------------------------- serve.py
@@ -53,13 +53,23 @@ def serve_parser() -> argparse.ArgumentParser:
                         "begins like an earlier one loads them instead of computing them")
     p.add_argument("--prompt_cache_gb", type=float, default=4.0, help="the --prompt_cache folder's size at most")
     p.add_argument("--speculative", default=None, metavar="|".join(SERVED_PROPOSERS),
-                   help="speculative decoding in the batched step: ngram (prompt lookup) or suffix (the most frequent "
-                        "continuation in a trie of this and earlier requests' prompts and outputs); a request opts "
-                        "out with \"speculative\": false. Each step takes the proposal rows that pay for their cost, "
-                        "from the step's own times by its rows and each request's acceptance: many at one "
-                        "request, few or none as more decode (default: off)")
+                   help="speculative decoding in the batched step: ngram (prompt lookup), suffix (the most frequent "
+                        "continuation in a trie of this and earlier requests' prompts and outputs), draft (a "
+                        "smaller model, --draft_checkpoint, drafting for every speculating request at once) or "
+                        "lookahead (--lookahead; while one request decodes); a request opts out with "
+                        "\"speculative\": false. Each step takes the proposal rows that pay for their cost, from the "
+                        "step's own times by its rows (and a draft's forwards) and each request's acceptance: many "
+                        "at one request, few or none as more decode (default: off)")
     p.add_argument("--speculate_k", type=int, default=8,
                    help="with --speculative: tokens a request proposes per step, at most (default: 8)")
+    p.add_argument("--draft_checkpoint", type=Path, default=None, metavar="DIR",
+                   help="with --speculative draft: the draft model's checkpoint (float or quantized, the target's "
+                        "tokenizer); it holds a KV cache of --max_batch_size x --max_seq_length of its own")
+    p.add_argument("--lookahead", default=LOOKAHEAD_DEFAULT, metavar="W,N,G",
+                   help="with --speculative lookahead: its window W, n-gram size N and candidates G, as generate.py "
+                        f"--lookahead takes them (default: {LOOKAHEAD_DEFAULT}). While a step has one decoding "
+                        "request, its round (1 + (N - 1)(W + G) tokens) runs where spec_cost.LookaheadPlanner "
+                        "expects it to pay; with more, plain rows")
     add_serve_running_args(p)
     return p
 
@@ -103,11 +113,15 @@ def check_serve_args(args):
     check_pipeline_args(args)
     if args.pp > 1 and args.prompt_cache is not None:
         raise UserError("--pp runs without --prompt_cache")
-    if args.speculative == "draft":
-        raise UserError("serve.py --speculative takes ngram or suffix: a draft model would need a KV cache per "
-                        "request of its own (generate.py --draft_checkpoint runs one)")
     if args.speculative is not None and args.speculative not in SERVED_PROPOSERS:
-        raise UserError(f"unknown --speculative {args.speculative!r} (choose {' or '.join(SERVED_PROPOSERS)})")
+        raise UserError(f"unknown --speculative {args.speculative!r} (choose {', '.join(SERVED_PROPOSERS)})")
+    if (args.speculative == "draft") != (args.draft_checkpoint is not None):
+        raise UserError("--speculative draft and --draft_checkpoint go together")
+    if args.draft_checkpoint is not None:
+        require_dir(args.draft_checkpoint)
+    if args.lookahead != LOOKAHEAD_DEFAULT and args.speculative != "lookahead":
+        raise UserError("--lookahead goes with --speculative lookahead")
+    lookahead_sizes(args.lookahead)
     if args.speculate_k < 1:
         raise UserError("--speculate_k must be at least 1")
     require_dir(args.checkpoint)

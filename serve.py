@@ -29,10 +29,14 @@ for a graceful stop (torchrun treats a SIGTERM of its own as a failure and ends 
 A rank or host lost mid-way (liveness.py) ends the server: its open requests get an error naming
 the lost rank, and it exits with status 1.
 
-Speculative decoding (--speculative ngram|suffix, speculation.py): a request's proposals ride in
-the batched step beside the other rows and each accepts its own count; the greedy text is the same
-as without. A request opts out with the extra field `"speculative": false`; one with a grammar,
-logprobs, penalties, logit_bias or a seed runs without proposals.
+Speculative decoding (--speculative ngram|suffix|draft|lookahead, speculation.py): a request's
+proposals ride in the batched step beside the other rows and each accepts its own count; the greedy
+text is the same as without. A request opts out with the extra field `"speculative": false`; one
+with a grammar, logprobs, penalties, logit_bias or a seed runs without proposals.
+    --speculative draft --draft_checkpoint D: a smaller model with the same tokenizer drafts for every
+    speculating request in batched forwards, each in a row of its own KV cache (draft_rows.py).
+    --speculative lookahead [--lookahead W,N,G]: lookahead decoding's rounds, chunks of the step,
+    while one request decodes (speculation.LookaheadRounds).
 """
 import collections
 import gc
@@ -57,7 +61,9 @@ import torch
 import checkpoint
 import kernels
 import liveness
+import proposers
 import warmup
+from draft_rows import DraftRows
 from engine import BLOCK_SIZE, Engine, log
 from forwards import landed
 from loading import check_vocabulary, describe_weights, load_model, meta_model, parse_device, parse_dtype, preflight
@@ -67,7 +73,9 @@ from openai_api import Server, build_app
 from prompt_store import open_store
 from rope import recompute_position, trained_context
 from scheduler import StepPlan
+from generate_args import lookahead_sizes
 from speculation import Speculation
+from speculative import tree_plans
 from tokenizer import Tokenizer
 from tp import TIMEOUT_S
 from pipeline import init_from_env, leads
@@ -113,6 +121,9 @@ def warm_up(engine: Engine, aside: bool = False) -> Optional[threading.Thread]:
     if not engine.compiled:
         return
     plans = warmup.serve_plans(engine)
+    rounds = engine.speculation.rounds if engine.speculation is not None else None
+    if rounds is not None:  # a lookahead round's forward: a mask, a graph of its own
+        plans += tree_plans(engine, rounds.size - 1)
     return warmup.compile_aside(engine, plans) if aside else warmup.compile_now(engine, plans)
 
 
@@ -121,6 +132,10 @@ def load_engine(args, tp) -> tuple[Tokenizer, Engine]:
     before the weights load (under torchrun: this rank's shard)."""
     device, dtype = parse_device(args.device), parse_dtype(args.dtype)
     checkpoint.require_dir(args.checkpoint)
+    if args.speculative in ("draft", "lookahead") and tp is not None:  # (rank 0 drafts, and compacts paths)
+        raise UserError(f"--speculative {args.speculative} runs in one process, not under torchrun")
+    if args.speculative == "draft":
+        proposers.check_same_tokenizer(args.checkpoint, args.draft_checkpoint)
     config = checkpoint.read_config(args.checkpoint)
     switch = recompute_position(config)
     args.max_seq_length = args.max_seq_length or min(4096, trained_context(config), switch or 4096)
@@ -140,14 +155,31 @@ def load_engine(args, tp) -> tuple[Tokenizer, Engine]:
              else load_model(args.checkpoint, device, dtype))
     weights = describe_weights(model, args.dtype, device, args.checkpoint)
     log(f"loaded {args.checkpoint} ({model.args.architecture}, {weights}) in {time.perf_counter() - start:.1f} s")
+    draft = load_draft(args, model, device, dtype) if args.speculative == "draft" else None
     engine = Engine.for_serving(model, args.max_batch_size, args.max_seq_length, kv_tokens=kv_tokens(args),
                                 compile=args.compile, compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk,
                                 max_waiting=args.max_waiting, prefix_caching=args.prefix_reuse, prepack=args.prepack,
-                                speculation=Speculation(args.speculative, args.speculate_k) if args.speculative else None)
+                                speculation=Speculation(args.speculative, args.speculate_k, draft,
+                                                        lookahead_sizes(args.lookahead)) if args.speculative else None)
     if args.prompt_cache is not None and engine.blocks.prefix_caching:
         open_store(args.prompt_cache, args.checkpoint, model, engine, tp.rank if tp is not None else 0,
                    int(args.prompt_cache_gb * 2 ** 30))
     return tokenizer, engine
+
+
+def load_draft(args, target, device, dtype) -> DraftRows:
+    """--draft_checkpoint's model (float or quantized), in rows of a cache of its own: one per request."""
+    rows, length = args.max_batch_size, args.max_seq_length
+    cache = lambda draft: [Need("the draft's KV cache", kv_cache_bytes(draft, rows, length, dtype),  # noqa: E731
+                                "lower --max_batch_size or --max_seq_length", f" for {rows} x {length} tokens")]
+    start = time.perf_counter()
+    draft = load_model(args.draft_checkpoint, device, dtype, needs=cache)
+    if draft.args.vocab_size != target.args.vocab_size:
+        raise UserError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
+                        f"({target.args.vocab_size})")
+    weights = describe_weights(draft, args.dtype, device, args.draft_checkpoint)
+    log(f"loaded draft {args.draft_checkpoint} ({weights}) in {time.perf_counter() - start:.1f} s")
+    return DraftRows(draft, rows, length)
 
 
 def lead_or_follow(engine: Engine) -> bool:

@@ -204,8 +204,8 @@ def test_sampled_verify_keeps_the_distribution():
     assert tv < 0.06, f"total variation {tv:.3f}"
 
 
-def test_serve_refuses_a_draft_and_bad_speculate_k(smollm2_dir):
-    for flags, message in ((["--speculative", "draft"], "a draft model"), (["--speculative", "lookahead"], "choose"),
+def test_serve_refuses_a_draft_without_checkpoint_and_bad_speculate_k(smollm2_dir):
+    for flags, message in ((["--speculative", "draft"], "--draft_checkpoint"), (["--speculative", "beam"], "choose"),
                            (["--speculative", "ngram", "--speculate_k", "0"], "--speculate_k")):
         r = run_script("serve.py", "--checkpoint", str(smollm2_dir), *flags, timeout=60)
         assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
