@@ -74,6 +74,15 @@ def smollm2_dir() -> Path:
     return SMOLLM2
 
 
+@pytest.fixture(scope="session")
+def int8_dir(smollm2_dir, tmp_path_factory) -> Path:
+    """SmolLM2-135M quantized to int8 (a clean checkout has only the float checkpoint)."""
+    out = tmp_path_factory.mktemp("int8") / "smollm2-135m-int8"
+    r = run_script("quantize.py", "--checkpoint", smollm2_dir, "--mode", "int8", "--out", out, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: thread start-up costs more than it saves, and far more on a busy machine."""

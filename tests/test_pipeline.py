@@ -28,15 +28,6 @@ def single_process_text(ckpt, *extra) -> str:
     return r.stdout
 
 
-@pytest.fixture(scope="module")
-def int8_dir(smollm2_dir, tmp_path_factory):
-    """SmolLM2-135M quantized to int8 (a clean checkout has only the float checkpoint)."""
-    out = tmp_path_factory.mktemp("int8") / "smollm2-135m-int8"
-    r = run_script("quantize.py", "--checkpoint", smollm2_dir, "--mode", "int8", "--out", out, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
-
-
 def stage(index: int, stages: int = 2) -> Stage:
     return Stage(index, stages, 0, 1, "tp", None, None, "pipe")
 

@@ -278,11 +278,11 @@ def test_serve_refuses_a_draft_or_lookahead_under_torchrun(smollm2_dir):
             serve.load_engine(args, tp=object())
 
 
-@pytest.mark.parametrize("flags", [["draft", "--draft_checkpoint", "checkpoints/smollm2-135m-int8"], ["lookahead"]],
-                         ids=["draft", "lookahead"])
-def test_server_text_as_generate(smollm2_dir, flags):
+@pytest.mark.parametrize("kind", ["draft", "lookahead"])
+def test_server_text_as_generate(smollm2_dir, kind, request):
     """serve.py --speculative draft (the int8 checkpoint drafting) and lookahead give generate.py's greedy text."""
     import openai
+    flags = [kind] + (["--draft_checkpoint", request.getfixturevalue("int8_dir")] if kind == "draft" else [])
     from test_serve import API_KEY, metrics, start_server, stop_server
     prompt = "Copy this line twice: the quick brown fox jumps over the lazy dog.\nthe quick brown fox"
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--prompt", prompt, "--max_new_tokens", 24,
