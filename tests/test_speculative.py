@@ -419,7 +419,7 @@ def small_vocab_pair():
     return target, draft
 
 
-def distribution_p_value(proposer, s, runs, adaptive=False):
+def distribution_p_value(proposer, s, runs, adaptive=False, seed=0):
     """Sample t1, t2, t3 `runs` times with speculation (k=2) and compare with the exact target
     distribution: the smaller p-value of chi-square tests on the joint (t1, t2, t3) and on
     (t2, t3) alone (t1 comes from prefill; the marginal has fewer cells, so more power).
@@ -427,7 +427,7 @@ def distribution_p_value(proposer, s, runs, adaptive=False):
     target, draft = small_vocab_pair()
     spec = spec_engine(target, 2, draft=draft if proposer == "draft" else None,
                        ngram=2 if proposer == "ngram" else None, max_seq_length=32, adaptive=adaptive)
-    counts = sampled_counts(spec, SAMPLE_PROMPT, s, runs)
+    counts = sampled_counts(spec, SAMPLE_PROMPT, s, runs, seed)
     exact = exact_distribution(target, SAMPLE_PROMPT, s)
     return min(chi_square_p_value(counts, exact), chi_square_p_value(counts.sum(0), exact.sum(0)))
 
@@ -436,9 +436,13 @@ def distribution_p_value(proposer, s, runs, adaptive=False):
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
 def test_speculative_sampling_matches_the_target_distribution(proposer, sampling, adaptive):
-    # fixed seeds, so the outcome is deterministic; under a correct sampler p is uniform on (0, 1)
+    # under a correct sampler p is uniform on (0, 1); the cost model's choices follow the step
+    # times, so with adaptive k the draws differ from run to run: a p below the threshold is
+    # checked on a second seed, and only both failing fails (a wrong sampler gives p < 1e-6)
     p = distribution_p_value(proposer, SAMPLINGS[sampling], RUNS, adaptive)
-    assert p > 1e-3 / 2, p  # two tests per check (Bonferroni)
+    if p <= 1e-3 / 2:  # two tests per check (Bonferroni)
+        p = max(p, distribution_p_value(proposer, SAMPLINGS[sampling], RUNS, adaptive, seed=1))
+    assert p > 1e-3 / 2, p
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
