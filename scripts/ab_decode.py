@@ -27,14 +27,40 @@ def knows(tree: Path, flag: str) -> bool:
     return any(flag in f.read_text() for f in (tree / "generate.py", tree / "generate_args.py") if f.exists())
 
 
-def one_run(tree: Path, checkpoint: Path, weights: str, prompt: str, args, out: Path) -> dict:
-    """Median decode tok/s and TTFT (ms) of one generate.py process of `tree`."""
+def generate_command(tree: Path, checkpoint: Path, weights: str, prompt: str, args, out: Path) -> list:
+    """`tree`'s generate.py, greedy and compiled, args.samples samples of args.max_new_tokens tokens
+    (EOS ignored), their metrics to out."""
     dtype = "float32" if weights in QUANTIZED else weights
     cmd = [sys.executable, str(tree / "generate.py"), "--checkpoint", str(checkpoint), "--prompt", prompt,
            "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0", "--dtype", dtype, "--compile",
            "--ignore_eos", "--num_samples", str(args.samples), "--metrics_json", str(out)]
     if knows(tree, "--wait_for_compile"):  # an older checkout has no aside compile: it compiles first anyway
         cmd.append("--wait_for_compile")
+    return cmd
+
+
+def add_checkout_options(p: argparse.ArgumentParser):
+    """The options an A/B of two checkouts' generate.py shares."""
+    p.add_argument("--before", type=Path, required=True, help="the other checkout (a git worktree)")
+    p.add_argument("--checkpoint", type=Path, default=REPO_ROOT / "checkpoints" / "smollm2-135m")
+    p.add_argument("--weights", default="float32,bfloat16,int8,int4-g32",
+                   help=f"comma-separated: float32, bfloat16, {', '.join(QUANTIZED)}")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--long", action="store_true", help="the 494-token prompt, not the short one")
+    p.add_argument("--json", type=Path, default=None)
+
+
+def weight_settings(args) -> dict:
+    """--weights: each setting's checkpoint (a quantized copy made where missing)."""
+    weights = args.weights.split(",")
+    if unknown := [w for w in weights if w not in ("float32", "bfloat16", *QUANTIZED)]:
+        sys.exit(f"error: unknown weights {', '.join(unknown)}")
+    return {w: quantized_checkpoint(args, w) if w in QUANTIZED else args.checkpoint for w in weights}
+
+
+def one_run(tree: Path, checkpoint: Path, weights: str, prompt: str, args, out: Path) -> dict:
+    """Median decode tok/s and TTFT (ms) of one generate.py process of `tree`."""
+    cmd = generate_command(tree, checkpoint, weights, prompt, args, out)
     metrics, err, _ = run_process(cmd, out, out.with_suffix(".log"), 1200)
     if err:
         sys.exit(f"error: {tree}/generate.py failed on {weights}: {err}")
@@ -60,20 +86,12 @@ def summary(rounds: list, weights: str, figure: str, higher_better: bool) -> dic
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m scripts.ab_decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--before", type=Path, required=True, help="the other checkout (a git worktree)")
-    p.add_argument("--checkpoint", type=Path, default=REPO_ROOT / "checkpoints" / "smollm2-135m")
-    p.add_argument("--weights", default="float32,bfloat16,int8,int4-g32",
-                   help=f"comma-separated: float32, bfloat16, {', '.join(QUANTIZED)}")
+    add_checkout_options(p)
     p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--samples", type=int, default=3, help="per process; the first is dropped")
-    p.add_argument("--long", action="store_true", help="the 494-token prompt (TTFT), not the short one")
-    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    weights = args.weights.split(",")
-    if unknown := [w for w in weights if w not in ("float32", "bfloat16", *QUANTIZED)]:
-        sys.exit(f"error: unknown weights {', '.join(unknown)}")
-    checkpoints = {w: quantized_checkpoint(args, w) if w in QUANTIZED else args.checkpoint for w in weights}
+    checkpoints = weight_settings(args)
+    weights = list(checkpoints)
     prompt = LONG_PROMPT if args.long else SHORT_PROMPT
     rounds, work = [], Path(tempfile.mkdtemp(prefix="minillm-ab-"))
     for i in range(args.rounds):

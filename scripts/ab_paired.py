@@ -14,6 +14,7 @@ median latencies, inverted) and TTFT, each with a 95% interval from resampling t
     python -m scripts.ab_paired --before /tmp/before --weights float32,int8 --json benchmarks/paged-ab-paired.json"""
 import argparse
 import json
+import random
 import signal
 import statistics
 import subprocess
@@ -23,22 +24,16 @@ import threading
 import time
 from pathlib import Path
 
-from scripts.ab_decode import knows
-from scripts.bench import LONG_PROMPT, QUANTIZED, REPO_ROOT, SHORT_PROMPT, quantized_checkpoint, subprocess_env
+from scripts.ab_decode import add_checkout_options, generate_command, weight_settings
+from scripts.bench import LONG_PROMPT, REPO_ROOT, SHORT_PROMPT, subprocess_env
 
 
 class Run:
     """One checkout's generate.py with many samples; the times at which its samples ended."""
 
     def __init__(self, tree: Path, checkpoint: Path, weights: str, prompt: str, args, out: Path):
-        dtype = "float32" if weights in QUANTIZED else weights
-        cmd = [sys.executable, str(tree / "generate.py"), "--checkpoint", str(checkpoint), "--prompt", prompt,
-               "--max_new_tokens", str(args.max_new_tokens), "--temperature", "0", "--dtype", dtype, "--compile",
-               "--ignore_eos", "--num_samples", str(args.samples), "--metrics_json", str(out)]
-        if knows(tree, "--wait_for_compile"):
-            cmd.append("--wait_for_compile")
         self.out, self.ended = out, []
-        self.proc = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        self.proc = subprocess.Popen(generate_command(tree, checkpoint, weights, prompt, args, out), cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=subprocess_env())
         threading.Thread(target=self.read, daemon=True).start()
 
@@ -90,7 +85,6 @@ def pair(trees: dict, checkpoint: Path, weights: str, prompt: str, args, work: P
 
 def ratio_of_medians(after: list, before: list, draws: int = 2000) -> tuple:
     """median(before) / median(after) and a 95% interval, resampling each side."""
-    import random
     rng = random.Random(0)
     ratios = sorted(statistics.median(rng.choices(before, k=len(before))) /
                     statistics.median(rng.choices(after, k=len(after))) for _ in range(draws))
@@ -99,24 +93,14 @@ def ratio_of_medians(after: list, before: list, draws: int = 2000) -> tuple:
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m scripts.ab_paired", description=__doc__.split("\n\n")[0])
-    p.add_argument("--before", type=Path, required=True, help="the other checkout (a git worktree)")
-    p.add_argument("--checkpoint", type=Path, default=REPO_ROOT / "checkpoints" / "smollm2-135m")
-    p.add_argument("--weights", default="float32,bfloat16,int8,int4-g32",
-                   help=f"comma-separated, of float32, bfloat16, {', '.join(QUANTIZED)}")
+    add_checkout_options(p)
     p.add_argument("--seconds", type=float, default=600, help="of taking turns at most, per weight setting")
     p.add_argument("--slice", type=float, default=0.25, help="seconds a process runs before the other's turn")
-    p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--samples", type=int, default=60,
                    help="per process: the turns go on until one process has run them all (or --seconds)")
-    p.add_argument("--long", action="store_true", help="the 494-token prompt, not the short one")
-    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    weights = args.weights.split(",")
-    if unknown := [w for w in weights if w not in ("float32", "bfloat16", *QUANTIZED)]:
-        sys.exit(f"error: unknown weights {', '.join(unknown)}")
     work, table = Path(tempfile.mkdtemp(prefix="minillm-paired-")), []
-    for w in weights:
-        checkpoint = quantized_checkpoint(args, w) if w in QUANTIZED else args.checkpoint
+    for w, checkpoint in weight_settings(args).items():
         got = pair({"after": REPO_ROOT, "before": args.before}, checkpoint, w, LONG_PROMPT if args.long else SHORT_PROMPT,
                    args, work)
         after, before = got["after"], got["before"]
