@@ -90,7 +90,7 @@ class DraftRows:
         start, forwards = time.perf_counter(), self.forwards
         drafts = {req: [] for req, _, _ in rows}
         qs = {req: [] for req, _, _ in rows}
-        tokens = [req.known()[-1] for req, _, _ in rows]
+        tokens = [req.last() for req, _, _ in rows]
         while rows:
             logits = self.forward([[t] for t in tokens], [[len(row.fed)] for _, row, _ in rows],
                                   [row.index for _, row, _ in rows])[:, -1]  # (B', V)

@@ -12,15 +12,12 @@ decoding request, and prompt tokens riding along) go through one compiled forwar
 comes with no request decoding goes in chunks of its own.
 """
 import collections
-import statistics
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
-from torch._dynamo.utils import counters
 
 import kernels
 import liveness
@@ -32,11 +29,12 @@ from compile import compile_chunk, compile_step, guards_skipped
 from errors import UserError, log
 from forwards import Feeder, Rides, bucket, forward_chunk, forward_rides, landed, shared
 from grammar import token_masks
-from memory import Need, check_memory, kv_cache_bytes, peak_memory_bytes
-from model import Transformer, param_bytes
+from memory import Need, check_memory, kv_cache_bytes
+from model import Transformer
 from rope import recompute_position
 from sampling import Sampling, pick_tokens, score_prompt, step_sampling
 from scheduler import Request, Scheduler, StepPlan
+from stats import Stats, decode_metrics
 from thresholds import THRESHOLDS
 
 ONE_SEQUENCE = "speculative decoding runs one sequence at a time: use a single prompt and --batch_size 1"
@@ -271,7 +269,7 @@ class Engine:
         last = self.last_rides
         if self.kv_buckets and bucket(max(last.positions) + 2, self.kv_limit) != last.kv_len:
             return
-        batch = self.feeder.next_rides(last, self.last_out.view(-1, 1), last.tables)
+        batch = self.feeder.next_rides(last, self.last_out, last.tables)
         self.ahead = (batch, self.call_rides(batch, plan.sampling, None))
 
     def sampling_for(self, plan: StepPlan):
@@ -341,7 +339,7 @@ class Engine:
             self.last_rides, self.last_out = ahead
             return self.last_out
         if self.last_out is not None and self.feeder.continues(self.last_rides, plan.requests, positions, kv_len):
-            batch = self.feeder.next_rides(self.last_rides, self.last_out.view(-1, 1), [t for _, _, t in rides])
+            batch = self.feeder.next_rides(self.last_rides, self.last_out, [t for _, _, t in rides])
         else:
             rows = rides + [(0, 0, ([], []))] * (width - len(rides))
             batch = self.feeder.rides(rows, plan.requests, wants, kv_len)
@@ -361,11 +359,13 @@ class Engine:
                  sampling and sampling[:4], None if mask is None else mask.shape)
         same, self.last_shape = shape == self.last_shape, shape
         with guards_skipped(same and self.step_compiled):
-            out = self.rides(self.model, inputs["tokens"], inputs["positions"], self.block_size, batch.kv_len,
+            out, batch.following = self.rides(self.model, inputs["tokens"], inputs["positions"], self.block_size, batch.kv_len,
                              inputs["logit_rows"], sampling, mask,
                              **{k: v for k, v in inputs.items() if k not in ("tokens", "positions", "logit_rows")})
         out = shared(self.model, out, wait=False)  # waited for by run, or in flight by its first use
-        return out.clone() if self.lookahead else out  # a CUDA graph's next replay overwrites its output
+        if self.lookahead:  # a CUDA graph's next replay overwrites its outputs
+            out, batch.following = out.clone(), batch.following.clone()
+        return out
 
     def run_chunk(self, tokens: list, start: int, tables: tuple, every: bool = False, tree=None) -> Tensor:
         """tree: a tree.Tree over tokens (speculative.py), or lookahead.Branches, fed with every=True:
@@ -402,14 +402,14 @@ class Engine:
         verified = self.verify(plan, rides_out, fed, chunks_out)
         ridden = [(req, j) for j, i in enumerate(plan.wants) if (req := plan.requests[i]) not in plan.verifies]
         if plan.sampling is not None:  # sampled in the step, which had no chunks: rides_out holds tokens
-            sampled = {req: t for (req, _), t in zip(ridden, rides_out.view(-1).tolist())}
+            sampled = {req: t for (req, _), (t,) in zip(ridden, rides_out.tolist())}  # (L, 1): no view, ~15 us
             return self.scheduler.postprocess(plan, fed, sampled, verified)
         ready = [(req, rides_out[j]) for req, j in ridden]
         for req, (tokens, start, _, *every), logits in zip(plan.chunk_requests, plan.chunks, chunks_out):
             if every and every[0] and req not in plan.verifies:  # a prompt scored for its logprobs: (T, V)
                 score_prompt(req, start, len(tokens), logits)
                 logits = logits[-1]
-            if start + len(tokens) == len(req.known()):
+            if start + len(tokens) == req.length():
                 ready.append((req, logits))
         sampled = {}
         if ready:
@@ -424,6 +424,8 @@ class Engine:
     def verify(self, plan: StepPlan, rides_out: Optional[Tensor], fed: collections.Counter, chunks_out: list) -> dict:
         """Each verify's new tokens (request -> its accepted proposals and the target's token after
         them; its rows', or its chunk's), its cache kept up to them (fed): rejected keys are overwritten later."""
+        if not plan.verifies:
+            return {}
         rows, out = collections.defaultdict(list), dict(zip(plan.chunk_requests, chunks_out))
         for j, i in enumerate(plan.wants):
             rows[plan.requests[i]].append(j)
@@ -530,22 +532,8 @@ class Engine:
             return warmup.compile_aside(self, plans)
         warmup.compile_now(self, plans)
 
-    def metrics(self, stats: "Stats") -> dict:
+    def metrics(self, stats: Stats) -> dict:
         return decode_metrics(stats, self.model, self.device)
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int
-    new_tokens: int
-    ttft_s: float
-    decode_s: float
-    token_times: list  # host time at which each decode round's tokens were ready (every running row's next)
-    batch_size: int = 1
-    finish_reasons: list = field(default_factory=list)  # per row: "stop" | "length"
-    logprobs: list = field(default_factory=list)  # per row, per token (see sampling.token_logprobs), when asked for
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache
-    eager_steps: int = 0  # steps run eagerly while the compiled ones compiled aside
 
 
 class Chat:
@@ -573,27 +561,3 @@ class Chat:
         reply_ids = out[:-1] if out and out[-1] in self.tokenizer.eos_ids else out
         self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply_ids)})
         return out, stats
-
-
-# ---------------------------------------------------------------- metrics
-
-def decode_metrics(stats: Stats, model: Transformer, device: torch.device) -> dict:
-    steps = len(stats.token_times) - 1  # decode rounds after the first token
-    gaps = [b - a for a, b in zip(stats.token_times, stats.token_times[1:])]
-    tokens_per_s = steps * stats.batch_size / stats.decode_s if stats.decode_s > 0 else 0.0
-    steps_per_s = steps / stats.decode_s if stats.decode_s > 0 else 0.0
-    deciles = statistics.quantiles(gaps, n=10) if len(gaps) >= 2 else [gaps[0] if gaps else 0.0] * 9
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "new_tokens": stats.new_tokens,
-        "ttft_s": stats.ttft_s,
-        "decode_tokens_per_s": tokens_per_s,
-        "inter_token_latency_median_s": statistics.median(gaps) if gaps else 0.0,
-        "inter_token_latency_p90_s": deciles[8],
-        # a step reads every dense weight once, whatever the batch size; a mixture's experts, those its rows chose
-        "bandwidth_gb_s": param_bytes(model, stats.batch_size) * steps_per_s / 1e9,
-        "peak_memory_bytes": peak_memory_bytes(device),
-        # graphs this process compiled instead of finding them in the on-disk cache
-        "compile_cache_misses": counters["inductor"]["fxgraph_cache_miss"],
-        "eager_steps": stats.eager_steps,
-    }

@@ -21,12 +21,13 @@ from sampling import StepSampling, sample_in_step
 
 def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
                   logit_rows: Tensor, sampling: Optional[StepSampling] = None, mask: Optional[Tensor] = None,
-                  **views) -> Tensor:
+                  **views) -> tuple[Tensor, Tensor]:
     """One token a row (W, 1) at its position (W, 1), reading its keys up to kv_len through its block
     table (views: block_table, and a mixed model's window_table): the logits (L, V) of rows
     logit_rows (L,), or with sampling their next tokens (L, 1); mask (L, ceil(V / 32)): the tokens a
     grammar allows. Under pipeline parallelism, this stage's result: the engine shares the last
-    stage's after the step (shared), where it can leave the exchange in flight."""
+    stage's after the step (shared), where it can leave the exchange in flight. Also the positions
+    of the step after it (W, 1): in the graph, where between steps an eager add costs ~25 us."""
     # each token's slot from its table, in the graph: eager ops between steps cost ~40 us each here,
     # the caches cold after the weights streamed through them
     for table, slots in (("block_table", "slots"), ("window_table", "window_slots")):
@@ -36,7 +37,7 @@ def forward_rides(model: Transformer, tokens: Tensor, positions: Tensor, block_s
     logits = model(tokens, batch)[:, -1]  # (L, V)
     if mask is not None:
         logits = logits.masked_fill(~unpack_mask(mask, logits.shape[-1]), float("-inf"))
-    return logits if sampling is None else sample_in_step(logits, sampling)
+    return (logits if sampling is None else sample_in_step(logits, sampling)), positions + 1
 
 
 def forward_chunk(model: Transformer, tokens: Tensor, positions: Tensor, block_size: int, kv_len: int,
@@ -86,6 +87,7 @@ class Rides:
     tables: list  # their block tables (host), each (blocks, window blocks)
     kv_len: int
     inputs: dict  # tokens (W, 1), positions (W, 1), logit_rows (L,), block_table[, window_table] (device)
+    following: Optional[Tensor] = None  # the next step's positions (W, 1), once this one ran (device)
 
 
 class Feeder:
@@ -132,10 +134,10 @@ class Feeder:
                 and all(p == q + 1 for p, q in zip(positions, last.positions[:len(requests)])))
 
     def next_rides(self, last: Rides, tokens: Tensor, tables: list) -> Rides:
-        """The step after last, of the same rows one position further: tokens (W, 1) on the device
-        (last step's sampled ones), tables (host) as they are now, written in place where they changed."""
+        """The step after last (which ran), of the same rows one position further: tokens (W, 1) on
+        the device (last step's sampled ones), tables (host) as they are now, written in place where they changed."""
         inputs = dict(last.inputs)
-        inputs["tokens"], inputs["positions"] = tokens, last.inputs["positions"] + 1
+        inputs["tokens"], inputs["positions"] = tokens, last.following
         for group, table_key in enumerate(("block_table", "window_table")):
             if self.scratch[group] is None:
                 continue

@@ -74,6 +74,12 @@ class Request:
     def known(self) -> list:
         return self.prompt + self.out
 
+    def length(self) -> int:  # len(known()) without building it: every step asks, for every request
+        return len(self.prompt) + len(self.out)
+
+    def last(self) -> int:
+        return self.out[-1] if self.out else self.prompt[-1]
+
     def scoring(self) -> bool:
         """Whether its prompt's logprobs are still to be computed: every prompt token's logits are wanted."""
         return self.prompt_logprobs is not None and len(self.prompt_token_logprobs) < len(self.prompt) - 1
@@ -185,7 +191,7 @@ class Scheduler:
         plan = StepPlan()
         for req in self.running:
             self.recompute_if_crossing(req)
-        decoding = [r for r in self.running if len(r.known()) - r.fed == 1 and r not in self.in_flight]
+        decoding = [r for r in self.running if r.length() - r.fed == 1 and r not in self.in_flight]
         if self.group_rows is not None:
             decoding = self.group(decoding)
         for req in list(decoding):
@@ -200,7 +206,7 @@ class Scheduler:
             drafts = self.fit_proposals(req, proposal if isinstance(proposal, list) else [])
             if drafts:
                 plan.verifies[req] = drafts
-            for j, token in enumerate([req.known()[-1]] + drafts):  # a verify: every row's logits
+            for j, token in enumerate([req.last()] + drafts):  # a verify: every row's logits
                 plan.rides.append((token, req.fed + j, req.tables()))
                 plan.wants.append(len(plan.rides) - 1)
                 plan.requests.append(req)
@@ -256,7 +262,7 @@ class Scheduler:
         """A LongRoPE model's request whose next forward takes it past the switch, with keys rotated
         the short way in its cache, feeds everything again from position 0 (as transformers does)."""
         switch = self.recompute_at
-        if switch is not None and 0 < req.fed <= switch < len(req.known()) and req not in self.in_flight:
+        if switch is not None and 0 < req.fed <= switch < req.length() and req not in self.in_flight:
             self.release(req)
 
     def drop_cancelled(self):
@@ -297,7 +303,7 @@ class Scheduler:
 
     def promised(self) -> int:
         """Blocks the running requests need for the tokens they know and have no block for yet."""
-        return sum(max(0, self.blocks.blocks_for(len(r.known())) - len(r.blocks)) for r in self.running)
+        return sum(max(0, self.blocks.blocks_for(r.length()) - len(r.blocks)) for r in self.running)
 
     def make_room(self, req: Request, end: int, plan: StepPlan) -> bool:
         """Blocks for req's positions up to end, preempting the most recently admitted other running
@@ -354,7 +360,7 @@ class Scheduler:
         room = self.fused_rows - D if D else 0
         spend = STEP_ROWS + sum(1 + pos / ROW_POSITIONS for _, pos, _ in plan.rides)
         floor, budget, fused = MIN_PROMPT_ROWS, self.prefill_chunk, False
-        prefilling = sorted((r for r in self.running if len(r.known()) - r.fed > 1 and r not in self.in_flight),
+        prefilling = sorted((r for r in self.running if r.length() - r.fed > 1 and r not in self.in_flight),
                             key=lambda r: r.admitted)
         for k, req in enumerate(prefilling):
             scoring = req.scoring()
@@ -393,7 +399,7 @@ class Scheduler:
         """Whether a request ahead is computing the block req would compute next, with the same
         tokens before it: req waits, and finds that block cached when it is done."""
         bs, start = self.blocks.block_size, req.fed
-        if not self.blocks.prefix_caching or start % bs or len(req.known()) - start <= bs:
+        if not self.blocks.prefix_caching or start % bs or req.length() - start <= bs:
             return False
         mine = req.known()[:start + bs]
         return any(other.fed < start + bs and other.known()[:start + bs] == mine for other in ahead)
@@ -441,7 +447,10 @@ class Scheduler:
     def seal_full(self, req: Request):
         if not self.blocks.prefix_caching:
             return
-        bs, known = self.blocks.block_size, req.known()
+        bs = self.blocks.block_size
+        if len(req.keys) >= min(min(req.fed, req.length()) // bs, len(req.blocks)):
+            return  # nothing newly full: most steps
+        known = req.known()
         while len(req.keys) < min(min(req.fed, len(known)) // bs, len(req.blocks)):
             i = len(req.keys)
             parent = req.keys[-1] if req.keys else ROOT

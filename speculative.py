@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 import warmup
-from engine import ONE_SEQUENCE, Engine, Stats, decode_metrics
+from engine import ONE_SEQUENCE, Engine
 from errors import UserError
 from grammar import apply_mask, unpack_mask_on_host
 from lookahead import LookaheadProposer, lookahead_decode
@@ -76,6 +76,7 @@ from rope import recompute_position
 from sampling import Sampling, adjust_logits, logits_to_probs, pick_tokens, sample, sample_probs, token_logprobs
 from scheduler import Request, StepPlan
 from spec_cost import LookaheadPlanner, RoundPlanner, StepCosts, TreePlanner
+from stats import Stats, decode_metrics
 from tree import Tree, compact, greedy_path, path_slots, sampled_path
 
 

@@ -7,13 +7,17 @@ processes, a minute apart).
 Each sample is one generate call of --max_new_tokens tokens (EOS ignored); its figures are its
 inter-token latency median (a pause is one long gap among the sample's tokens: the median skips it)
 and its time to first token. Samples are kept while both processes run; the first of each
-(compilation) is dropped. Reported per weight setting: after/before decode speed (the ratio of the
-median latencies, inverted) and TTFT, each with a 95% interval from resampling the samples.
+(compilation) is dropped. A round is one such pair of processes; --rounds pairs, the one that
+starts first and runs first alternating, since two processes of the same checkout can differ by
+several percent for their whole life (where their memory landed). Reported per weight setting:
+after/before decode speed (the ratio of the median latencies, inverted) and TTFT, the geometric
+mean over the rounds, each with a 95% interval from resampling the rounds and each round's samples.
 
     git worktree add /tmp/before HEAD~1
     python -m scripts.ab_paired --before /tmp/before --weights float32,int8 --json benchmarks/paged-ab-paired.json"""
 import argparse
 import json
+import math
 import random
 import signal
 import statistics
@@ -56,8 +60,9 @@ class Run:
 
 
 def pair(trees: dict, checkpoint: Path, weights: str, prompt: str, args, work: Path) -> dict:
-    """Both checkouts taking turns until one has run its samples (or args.seconds): each one's samples
-    (ITL median s, TTFT s) that ended meanwhile; the other then finishes alone, unmeasured."""
+    """Both checkouts taking turns (in trees' order) until one has run its samples (or args.seconds):
+    each one's samples (ITL median s, TTFT s) that ended meanwhile; the other then finishes alone,
+    unmeasured."""
     runs = {}
     for name, tree in trees.items():  # one compiles at a time: compiling would skew nothing, but it is slow
         runs[name] = Run(tree, checkpoint, weights, prompt, args, work / f"{weights}-{name}.json")
@@ -85,10 +90,18 @@ def pair(trees: dict, checkpoint: Path, weights: str, prompt: str, args, work: P
 
 def ratio_of_medians(after: list, before: list, draws: int = 2000) -> tuple:
     """median(before) / median(after) and a 95% interval, resampling each side."""
+    return rounds_ratio([(after, before)], draws)
+
+
+def rounds_ratio(rounds: list, draws: int = 2000) -> tuple:
+    """rounds: (after, before) sample lists. The geometric mean over rounds of median(before) /
+    median(after), and a 95% interval: rounds resampled, then each one's samples."""
+    def mean_ratio(pairs) -> float:
+        return math.exp(statistics.fmean(math.log(statistics.median(b) / statistics.median(a)) for a, b in pairs))
     rng = random.Random(0)
-    ratios = sorted(statistics.median(rng.choices(before, k=len(before))) /
-                    statistics.median(rng.choices(after, k=len(after))) for _ in range(draws))
-    return statistics.median(before) / statistics.median(after), (ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1])
+    ratios = sorted(mean_ratio([(rng.choices(a, k=len(a)), rng.choices(b, k=len(b)))
+                                for a, b in rng.choices(rounds, k=len(rounds))]) for _ in range(draws))
+    return mean_ratio(rounds), (ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1])
 
 
 def main(argv=None):
@@ -98,17 +111,24 @@ def main(argv=None):
     p.add_argument("--slice", type=float, default=0.25, help="seconds a process runs before the other's turn")
     p.add_argument("--samples", type=int, default=60,
                    help="per process: the turns go on until one process has run them all (or --seconds)")
+    p.add_argument("--rounds", type=int, default=1, help="pairs of processes, the first one alternating")
     args = p.parse_args(argv)
     work, table = Path(tempfile.mkdtemp(prefix="minillm-paired-")), []
     for w, checkpoint in weight_settings(args).items():
-        got = pair({"after": REPO_ROOT, "before": args.before}, checkpoint, w, LONG_PROMPT if args.long else SHORT_PROMPT,
-                   args, work)
-        after, before = got["after"], got["before"]
-        if min(len(after), len(before)) < 5:
-            sys.exit(f"error: {w}: too few samples while both ran ({len(after)}, {len(before)}): raise --seconds")
-        decode, decode_ci = ratio_of_medians([a for a, _ in after], [b for b, _ in before])
-        ttft, ttft_ci = ratio_of_medians([b for _, b in before], [a for _, a in after])  # after / before
+        rounds = []
+        for r in range(args.rounds):
+            order = [("after", REPO_ROOT), ("before", args.before)][::1 if r % 2 == 0 else -1]
+            got = pair(dict(order), checkpoint, w, LONG_PROMPT if args.long else SHORT_PROMPT, args, work)
+            if min(len(got["after"]), len(got["before"])) < 5:
+                sys.exit(f"error: {w}: too few samples while both ran ({len(got['after'])}, {len(got['before'])}): "
+                         "raise --seconds")
+            rounds.append((got["after"], got["before"]))
+        decode, decode_ci = rounds_ratio([([a for a, _ in af], [b for b, _ in bf]) for af, bf in rounds])
+        ttft, ttft_ci = rounds_ratio([([b for _, b in bf], [a for _, a in af]) for af, bf in rounds])  # after / before
+        after, before = [s for af, _ in rounds for s in af], [s for _, bf in rounds for s in bf]
         row = {"weights": w, "decode_ratio": decode, "decode_ci95": decode_ci, "ttft_ratio": ttft, "ttft_ci95": ttft_ci,
+               "round_decode_ratios": [statistics.median(b for b, _ in bf) / statistics.median(a for a, _ in af)
+                                       for af, bf in rounds],
                "samples": [len(after), len(before)],
                "itl_ms": [1000 * statistics.median(a for a, _ in after), 1000 * statistics.median(b for b, _ in before)],
                "ttft_ms": [1000 * statistics.median(a for _, a in after), 1000 * statistics.median(b for _, b in before)]}

@@ -81,6 +81,16 @@ def test_ab_paired_inverts_the_latency_ratio_and_brackets_it():
     assert low <= ratio <= high and high - low < 0.1
 
 
+def test_ab_paired_rounds_take_the_geometric_mean_and_widen_by_their_spread():
+    """scripts.ab_paired --rounds: two rounds at 0.9 and 1.1 give their geometric mean, and an
+    interval as wide as the rounds disagree, however tight each round's samples are."""
+    from scripts.ab_paired import rounds_ratio
+    rounds = [([10.0] * 20, [9.0] * 20), ([10.0] * 20, [11.0] * 20)]
+    ratio, (low, high) = rounds_ratio(rounds)
+    assert abs(ratio - (0.9 * 1.1) ** 0.5) < 1e-12
+    assert abs(low - 0.9) < 1e-9 and abs(high - 1.1) < 1e-9
+
+
 def test_peer_bytes_count_an_untied_embedding_table_as_one_row(tmp_path):
     from scripts.bench_peers import gguf_tensor_bytes
     tied = write_gguf(tmp_path / "tied.gguf", ["token_embd.weight", "blk.0.ffn_up.weight"])
