@@ -101,7 +101,7 @@ def test_inconsistent_sizes_are_refused_in_one_line(smollm2_dir):
     r = torchrun(2, "generate.py", "--checkpoint", smollm2_dir, "--pp", 3, "--no-compile", timeout=120)
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: --pp 3 does not divide the 2 ranks torchrun started (world = tp x pp)"]
+    assert errors == ["error: --pp 3 does not divide the 2 ranks torchrun started (world = tp x pp)"], r.stderr[-3000:]
     r = run_script("generate.py", "--checkpoint", smollm2_dir, "--pp", 2, "--no-compile")
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: --pp 2 runs under torchrun")
 

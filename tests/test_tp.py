@@ -64,10 +64,10 @@ def torchrun(n: int, *args, timeout=600, retry=True) -> subprocess.CompletedProc
 
 def job_log(r: subprocess.CompletedProcess, tail: int = 3000) -> str:
     """A failed job's stderr for a message: each rank's crash report first (faulthandler's "Fatal
-    Python error" and the Python stack under it, which torchrun's own traceback pushes out of the
-    tail), then the tail."""
+    Python error", the lines before it where C++ says why it aborted, and the Python stack under
+    it, which torchrun's own traceback pushes out of the tail), then the tail."""
     lines = r.stderr.splitlines()
-    reports = ["\n".join(lines[i:i + 30]) for i, line in enumerate(lines) if "Fatal Python error" in line]
+    reports = ["\n".join(lines[max(0, i - 6):i + 30]) for i, line in enumerate(lines) if "Fatal Python error" in line]
     return "\n...\n".join([*reports[:4], r.stderr[-tail:] if tail else ""])
 
 
