@@ -448,10 +448,11 @@ class Scheduler:
         if not self.blocks.prefix_caching:
             return
         bs = self.blocks.block_size
-        if len(req.keys) >= min(min(req.fed, req.length()) // bs, len(req.blocks)):
-            return  # nothing newly full: most steps
+        full = min(min(req.fed, req.length()) // bs, len(req.blocks))
+        if len(req.keys) >= full:
+            return  # nothing newly full (most steps): prompt + out is not built
         known = req.known()
-        while len(req.keys) < min(min(req.fed, len(known)) // bs, len(req.blocks)):
+        while len(req.keys) < full:
             i = len(req.keys)
             parent = req.keys[-1] if req.keys else ROOT
             # the prompt's blocks go to the store too (a restart meets the same prompts)

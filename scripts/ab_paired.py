@@ -9,7 +9,8 @@ inter-token latency median (a pause is one long gap among the sample's tokens: t
 and its time to first token. Samples are kept while both processes run; the first of each
 (compilation) is dropped. A round is one such pair of processes; --rounds pairs, the one that
 starts first and runs first alternating, since two processes of the same checkout can differ by
-several percent for their whole life (where their memory landed). Reported per weight setting:
+several percent for their whole life (this VM pages out a process's memory left untouched
+for a minute, as the first one's is while the second compiles). Reported per weight setting:
 after/before decode speed (the ratio of the median latencies, inverted) and TTFT, the geometric
 mean over the rounds, each with a 95% interval from resampling the rounds and each round's samples.
 
@@ -86,11 +87,6 @@ def pair(trees: dict, checkpoint: Path, weights: str, prompt: str, args, work: P
         metrics = json.loads(r.out.read_text())[first:first + kept]
         got[name] = [(m["inter_token_latency_median_s"], m["ttft_s"]) for m in metrics]
     return got
-
-
-def ratio_of_medians(after: list, before: list, draws: int = 2000) -> tuple:
-    """median(before) / median(after) and a 95% interval, resampling each side."""
-    return rounds_ratio([(after, before)], draws)
 
 
 def rounds_ratio(rounds: list, draws: int = 2000) -> tuple:
